@@ -1,0 +1,27 @@
+"""Scoring and token selection for KV-cache eviction: pure torch, no vLLM.
+
+score (``make_scorer``) -> pipeline (``make_pipeline``: which queries, pooling) -> kept indices
+(``select_keep``) -> decode-time ``RunningScores``. See PAPER.md for the OBCache formulas.
+"""
+
+from obcache_vllm.scoring.attention import WindowAttention
+from obcache_vllm.scoring.geometry import HeadGeometry
+from obcache_vllm.scoring.pipelines import PIPELINE_NAMES, Pipeline, make_pipeline, pool_positions
+from obcache_vllm.scoring.running import RunningScores
+from obcache_vllm.scoring.scores import SCORER_NAMES, Scorer, make_scorer
+from obcache_vllm.scoring.selection import select_keep, share_across_heads
+
+__all__ = [
+    "PIPELINE_NAMES",
+    "SCORER_NAMES",
+    "HeadGeometry",
+    "Pipeline",
+    "RunningScores",
+    "Scorer",
+    "WindowAttention",
+    "make_pipeline",
+    "make_scorer",
+    "pool_positions",
+    "select_keep",
+    "share_across_heads",
+]
