@@ -1,0 +1,138 @@
+"""Shared test configuration.
+
+Layers (markers registered in pyproject.toml):
+  unit    tests/unit, no vLLM import, seconds (added automatically unless a test is `slow`)
+  engine  tests/engine, the real vLLM engine on the converted default model
+  slow    minutes; select with -m slow, skip with -m "not slow"
+  server  tests that start the OpenAI-compatible HTTP server
+
+Session fixtures here: `model_path` provisions the default model through the same code as
+`obcache-vllm model pull`; `plugin_trace_file` is where the plugin records each process that
+loaded it. The shared engine (`llm`) lives in tests/engine/conftest.py. Nothing here imports
+vLLM, so unit tests never pay for it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Settings for engines created in this session, exported before any engine exists so that the
+# EngineCore and worker processes (spawned) inherit them. setdefault: the caller may override.
+ENGINE_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB for the KV pool of each test engine
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+}
+
+_trace_dir: str | None = None
+_saved_trace_env: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _trace_dir, _saved_trace_env
+    for key, value in ENGINE_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    # The plugin appends one line per process to this file (see obcache_vllm/plugin.py). It is
+    # set for the whole session, before any test can make vLLM load its plugins in this process.
+    from obcache_vllm.plugin import TRACE_ENV
+
+    _saved_trace_env = os.environ.get(TRACE_ENV)
+    _trace_dir = tempfile.mkdtemp(prefix="obcache-plugin-trace-")
+    os.environ[TRACE_ENV] = str(Path(_trace_dir) / "trace.txt")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from obcache_vllm.plugin import TRACE_ENV
+
+    if _saved_trace_env is None:
+        os.environ.pop(TRACE_ENV, None)
+    else:
+        os.environ[TRACE_ENV] = _saved_trace_env
+    if _trace_dir:
+        shutil.rmtree(_trace_dir, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).parent
+    for item in items:
+        try:
+            parts = Path(item.path).relative_to(tests_dir).parts
+        except ValueError:
+            continue
+        if parts[0] == "engine":
+            item.add_marker(pytest.mark.engine)
+        elif parts[0] == "unit" and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(scope="session")
+def plugin_trace_file() -> Path:
+    from obcache_vllm.plugin import TRACE_ENV
+
+    return Path(os.environ[TRACE_ENV])
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """The default model, provisioned like `obcache-vllm model pull` (instant when cached)."""
+    from obcache_vllm import model
+
+    try:
+        return model.pull()
+    except model.ModelError as exc:
+        pytest.fail(f"model provisioning failed: {exc}")
+
+
+# --- Model-cache helpers for unit tests (no transformers: a fake conversion) -------------------
+
+
+def _fake_convert(gguf: Path, out_dir: Path, log=None) -> None:
+    """Write a directory shaped like the real conversion's output (tiny files)."""
+    import json
+
+    from obcache_vllm import model
+
+    config = {**model.EXPECTED_CONFIG, "architectures": ["LlamaForCausalLM"], "dtype": model.DTYPE}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (out_dir / "tokenizer.json").write_text("{}")
+    (out_dir / "chat_template.jinja").write_text("{{ messages }}")
+    (out_dir / "model.safetensors").write_bytes(b"\0" * 4096)
+
+
+@pytest.fixture
+def fake_convert():
+    """A stand-in for model.convert_gguf writing tiny files of the right shape."""
+    return _fake_convert
+
+
+@pytest.fixture
+def fake_gguf(tmp_path: Path) -> Path:
+    from obcache_vllm import model
+
+    path = tmp_path / "src" / model.GGUF_FILE
+    path.parent.mkdir()
+    path.write_bytes(b"GGUF fake")
+    return path
+
+
+@pytest.fixture
+def model_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty OBCACHE_VLLM_HOME for this test."""
+    from obcache_vllm import model
+
+    home = tmp_path / "home"
+    monkeypatch.setenv(model.HOME_ENV, str(home))
+    return home
+
+
+@pytest.fixture
+def provisioned(model_home: Path, fake_gguf: Path) -> Path:
+    """The default model path in `model_home`, provisioned with `fake_convert`."""
+    from obcache_vllm import model
+
+    return model.pull(locate_source=lambda: fake_gguf, convert=_fake_convert, log=lambda m: None)
