@@ -1,0 +1,205 @@
+"""Per-request KV-eviction options: parsed once, at the edge, into a frozen validated object.
+
+Wire format (strings exist only here): the keys below, in ``SamplingParams.extra_args`` (the
+OpenAI API's ``vllm_xargs`` lands there; the server also lifts them from top-level request
+fields). A request without ``kv_budget`` is a stock vLLM request: :func:`parse_kv_options`
+returns ``None`` and nothing else in obcache-vllm touches it.
+
+==============  =========================================================================
+key             meaning
+==============  =========================================================================
+kv_budget       int >= 1: resident KV tokens per layer and KV head after eviction;
+                float in (0, 1]: that fraction of the prompt (rounded up).
+kv_scorer       token score (see ``obcache_vllm.scoring.SCORER_NAMES``)
+kv_pipeline     selection pipeline (see ``obcache_vllm.scoring.PIPELINE_NAMES``)
+kv_window       observation window (last prompt queries) for ``snapkv``; default 64
+kv_recent       most recent tokens always kept; default 16
+kv_sinks        first tokens always kept (attention sinks); default 4
+kv_decode       also evict during decoding (running scores); default false
+==============  =========================================================================
+
+Budget rule (see :mod:`obcache_vllm.planning`): eviction frees whole KV blocks only, so the
+kept count K of a compressed request satisfies ``budget <= K < budget + block_size``.
+
+Every error is a :class:`KvOptionsError` naming the offending wire field; the vLLM edge turns
+it into ``VLLMValidationError`` (HTTP 400) before anything is allocated for the request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+WIRE_FIELDS = (
+    "kv_budget",
+    "kv_scorer",
+    "kv_pipeline",
+    "kv_window",
+    "kv_recent",
+    "kv_sinks",
+    "kv_decode",
+)
+
+DEFAULT_SCORER = "obcache_key"
+DEFAULT_PIPELINE = "snapkv"
+DEFAULT_WINDOW = 64
+DEFAULT_RECENT = 16
+DEFAULT_SINKS = 4
+
+
+class KvOptionsError(ValueError):
+    """A kv_* request option is invalid. ``field`` is the wire name (e.g. ``kv_budget``)."""
+
+    def __init__(self, field: str, message: str, value: Any = None) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.value = value
+
+
+@dataclass(frozen=True)
+class KvOptions:
+    """Validated eviction options of one request.
+
+    ``budget`` is the resolved token budget (a ratio is already applied to the prompt length).
+    """
+
+    budget: int
+    scorer: str = DEFAULT_SCORER
+    pipeline: str = DEFAULT_PIPELINE
+    window: int = DEFAULT_WINDOW
+    recent: int = DEFAULT_RECENT
+    sinks: int = DEFAULT_SINKS
+    decode: bool = False
+
+    @property
+    def query_window(self) -> int:
+        """How many of the last prompt queries the prefill score needs (0: none, -1: all)."""
+        if self.pipeline == "snapkv":
+            return self.window
+        if self.pipeline == "tova":
+            return 1
+        if self.pipeline == "h2o":
+            return -1
+        return 0
+
+
+def _known_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from obcache_vllm.scoring import PIPELINE_NAMES, SCORER_NAMES
+
+    return tuple(SCORER_NAMES), tuple(PIPELINE_NAMES)
+
+
+def _int_field(raw: Mapping[str, Any], field: str, default: int, minimum: int) -> int:
+    value = raw.get(field, default)
+    # bool is an int subclass; "true" as a window is a client bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise KvOptionsError(field, f"must be an integer >= {minimum}", value)
+    if value < minimum:
+        raise KvOptionsError(field, f"must be an integer >= {minimum}", value)
+    return value
+
+
+def _name_field(raw: Mapping[str, Any], field: str, default: str, known: tuple[str, ...]) -> str:
+    value = raw.get(field, default)
+    if not isinstance(value, str) or value not in known:
+        raise KvOptionsError(field, f"unknown name {value!r}; known: {', '.join(known)}", value)
+    return value
+
+
+def _bool_field(raw: Mapping[str, Any], field: str, default: bool) -> bool:
+    value = raw.get(field, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise KvOptionsError(field, "must be a boolean", value)
+
+
+def _resolve_budget(value: Any, num_prompt_tokens: int) -> int:
+    field = "kv_budget"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KvOptionsError(field, "must be an integer >= 1 or a fraction in (0, 1]", value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise KvOptionsError(field, "must be finite", value)
+    if isinstance(value, int):
+        if value < 1:
+            raise KvOptionsError(field, "must be an integer >= 1 or a fraction in (0, 1]", value)
+        return value
+    if value.is_integer() and value > 1:
+        return int(value)
+    if not 0.0 < value <= 1.0:
+        raise KvOptionsError(field, "a fractional budget must lie in (0, 1]", value)
+    return max(1, math.ceil(value * num_prompt_tokens))
+
+
+def parse_kv_options(
+    extra_args: Mapping[str, Any] | None,
+    num_prompt_tokens: int,
+    max_model_len: int | None = None,
+) -> KvOptions | None:
+    """Parse and validate the kv_* options of one request; ``None`` if it has no budget.
+
+    Deterministic and side-effect free, so the front-end (validation), the scheduler and the
+    worker each call it on the same ``extra_args`` and agree on the result.
+
+    Raises:
+        KvOptionsError: an unknown ``kv_*`` key, or a value out of its domain.
+    """
+    raw = dict(extra_args or {})
+    unknown = sorted(k for k in raw if k.startswith("kv_") and k not in WIRE_FIELDS)
+    if unknown:
+        raise KvOptionsError(
+            unknown[0], f"unknown option; known: {', '.join(WIRE_FIELDS)}", raw[unknown[0]]
+        )
+    if raw.get("kv_budget") is None:
+        others = [k for k in WIRE_FIELDS if k in raw and raw[k] is not None]
+        if others:
+            raise KvOptionsError(others[0], "requires kv_budget", raw[others[0]])
+        return None
+    scorers, pipelines = _known_names()
+    budget = _resolve_budget(raw["kv_budget"], num_prompt_tokens)
+    if max_model_len is not None and budget > max_model_len:
+        raise KvOptionsError(
+            "kv_budget", f"{budget} exceeds the model context length {max_model_len}", budget
+        )
+    opts = KvOptions(
+        budget=budget,
+        scorer=_name_field(raw, "kv_scorer", DEFAULT_SCORER, scorers),
+        pipeline=_name_field(raw, "kv_pipeline", DEFAULT_PIPELINE, pipelines),
+        window=_int_field(raw, "kv_window", DEFAULT_WINDOW, 1),
+        recent=_int_field(raw, "kv_recent", DEFAULT_RECENT, 0),
+        sinks=_int_field(raw, "kv_sinks", DEFAULT_SINKS, 0),
+        decode=_bool_field(raw, "kv_decode", False),
+    )
+    if opts.sinks + opts.recent >= opts.budget:
+        raise KvOptionsError(
+            "kv_budget",
+            f"budget {opts.budget} must exceed kv_sinks + kv_recent = {opts.sinks + opts.recent}",
+            opts.budget,
+        )
+    return opts
+
+
+def parse_validated_kv_options(
+    extra_args: Mapping[str, Any] | None,
+    num_prompt_tokens: int,
+    max_model_len: int | None = None,
+) -> KvOptions | None:
+    """:func:`parse_kv_options` for code behind the front-end's validation (scheduler, worker).
+
+    Requests are validated before they reach the engine; one that was not (e.g. a pre-built
+    ``EngineCoreRequest``) and is invalid is served as a stock request rather than crashing the
+    engine. Deterministic, so scheduler and worker still agree.
+    """
+    try:
+        return parse_kv_options(extra_args, num_prompt_tokens, max_model_len)
+    except KvOptionsError as exc:
+        import logging
+
+        logging.getLogger(__name__).error("ignoring invalid kv options (%s); serving unbudgeted", exc)
+        return None

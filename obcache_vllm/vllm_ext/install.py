@@ -1,0 +1,290 @@
+"""Every patch obcache-vllm applies to vLLM, in one place, version- and signature-checked.
+
+:func:`install` runs in every vLLM process (from the ``obcache`` general plugin) and is
+idempotent. It first verifies the vLLM version and the signature of every internal it relies
+on (:data:`SEAMS`); a mismatch raises :class:`IncompatibleVllmError` and vLLM refuses to start,
+rather than silently compacting KV through a changed interface. Then, process-locally:
+
+* ``SchedulerConfig.get_scheduler_cls``: where vLLM would use its synchronous ``Scheduler``,
+  use :class:`~obcache_vllm.vllm_ext.scheduler.OBCacheScheduler` (EngineCore process).
+* ``cpu_worker.CPUModelRunner`` -> :class:`~obcache_vllm.vllm_ext.runner.OBCacheCPUModelRunner`
+  (worker process; the CPU worker builds its runner by this module-global name).
+* ``AttentionBackendEnum.CPU_ATTN`` -> :class:`~obcache_vllm.vllm_ext.backend.OBCacheCPUBackend`.
+* ``InputProcessor.process_inputs``: kv_* options are validated in the front-end, before the
+  request reaches the engine (``VLLMValidationError`` -> HTTP 400), including configurations
+  that cannot evict (they refuse budgeted requests only).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+
+from obcache_vllm.options import KvOptionsError, parse_kv_options
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ("0.32.0",)
+
+# (module, qualname, parameter names that our code passes or overrides)
+SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("vllm.config.scheduler", "SchedulerConfig.get_scheduler_cls", ("self",)),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.__init__",
+        (
+            "self",
+            "vllm_config",
+            "kv_cache_config",
+            "structured_output_manager",
+            "block_size",
+            "hash_block_size",
+            "mm_registry",
+            "include_finished_set",
+            "log_stats",
+        ),
+    ),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self", "throttle_prefills")),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_from_output",
+        ("self", "scheduler_output", "model_runner_output"),
+    ),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ("self", "request")),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._preempt_request",
+        ("self", "request", "timestamp", "drop_stale_output"),
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._free_request",
+        ("self", "request", "delay_free_blocks"),
+    ),
+    (
+        "vllm.v1.core.single_type_kv_cache_manager",
+        "SingleTypeKVCacheManager._remove_blocks_in_range",
+        ("self", "request_id", "first_block", "last_block"),
+    ),
+    (
+        "vllm.v1.core.kv_cache_coordinator",
+        "KVCacheCoordinator.cache_blocks",
+        ("self", "request", "num_computed_tokens"),
+    ),
+    ("vllm.v1.core.block_pool", "BlockPool.is_block_writable", ("self", "block")),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.execute_model",
+        ("self", "scheduler_output", "intermediate_tensors"),
+    ),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._build_attention_metadata",
+        (
+            "self",
+            "num_tokens",
+            "num_reqs",
+            "max_query_len",
+            "num_tokens_padded",
+            "num_reqs_padded",
+            "ubatch_slices",
+            "logits_indices",
+            "max_num_sampled_tokens",
+            "use_spec_decode",
+            "for_cudagraph_capture",
+            "num_scheduled_tokens",
+            "slot_mappings",
+        ),
+    ),
+    (
+        "vllm.v1.attention.backends.cpu_attn",
+        "CPUAttentionMetadataBuilder.build",
+        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+    ),
+    (
+        "vllm.v1.attention.backends.cpu_attn",
+        "CPUAttentionBackendImpl.forward",
+        (
+            "self",
+            "layer",
+            "query",
+            "key",
+            "value",
+            "kv_cache",
+            "attn_metadata",
+            "output",
+            "output_scale",
+            "output_block_scale",
+        ),
+    ),
+    (
+        "vllm._custom_ops",
+        "cpu_attn_reshape_and_cache",
+        (
+            "key",
+            "value",
+            "key_cache",
+            "value_cache",
+            "slot_mapping",
+            "isa",
+            "k_scale",
+            "v_scale",
+            "kv_cache_dtype",
+        ),
+    ),
+    (
+        "vllm.v1.engine.input_processor",
+        "InputProcessor.process_inputs",
+        ("self", "request_id", "prompt", "params"),
+    ),
+    ("vllm.v1.attention.backends.registry", "register_backend", ("backend", "class_path")),
+)
+
+# Attributes (not callables) we read or write.
+ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("vllm.v1.worker.cpu_worker", "CPUModelRunner"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput"),
+    ("vllm.v1.outputs", "ModelRunnerOutput"),
+)
+
+
+class IncompatibleVllmError(RuntimeError):
+    """The installed vLLM does not match what obcache-vllm was built and tested against."""
+
+
+def _resolve(module: str, qualname: str):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_compatibility() -> None:
+    """Raise :class:`IncompatibleVllmError` unless every seam is exactly as expected."""
+    import vllm
+
+    if vllm.__version__ not in SUPPORTED_VLLM:
+        raise IncompatibleVllmError(
+            f"obcache-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}; found {vllm.__version__}"
+        )
+    problems = []
+    for module, qualname, params in SEAMS:
+        try:
+            target = _resolve(module, qualname)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{qualname}: missing ({exc})")
+            continue
+        names = tuple(inspect.signature(target).parameters)
+        if names[: len(params)] != params:
+            problems.append(f"{module}.{qualname}: parameters {names}, expected {params}")
+    for module, name in ATTRIBUTES:
+        try:
+            _resolve(module, name)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{name}: missing ({exc})")
+    if problems:
+        raise IncompatibleVllmError("vLLM internals changed:\n  " + "\n  ".join(problems))
+
+
+def unsupported_reason(vllm_config) -> str | None:
+    """Why budgeted requests cannot be served by this engine configuration, or None."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "KV eviction is implemented for vLLM's CPU backend only (so far)"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding is not supported with kv_budget"
+    if vllm_config.kv_transfer_config is not None:
+        return "KV connectors / offloading are not supported with kv_budget"
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        return f"quantized KV cache ({cache_dtype}) is not supported with kv_budget"
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return "pipeline parallelism is not supported with kv_budget"
+    model_config = vllm_config.model_config
+    if model_config.is_hybrid or model_config.is_attention_free:
+        return "hybrid / attention-free models are not supported with kv_budget"
+    if model_config.get_sliding_window() is not None:
+        return "sliding-window models are not supported with kv_budget"
+    if vllm_config.use_v2_model_runner:
+        return "the V2 model runner is not supported with kv_budget (VLLM_USE_V2_MODEL_RUNNER=0)"
+    return None
+
+
+def validate_request(vllm_config, engine_request) -> None:
+    """Front-end check of one request's kv_* options; raises ``VLLMValidationError``."""
+    from vllm.exceptions import VLLMValidationError
+
+    params = engine_request.sampling_params
+    if params is None or not params.extra_args:
+        return
+    num_prompt = len(engine_request.prompt_token_ids or ())
+    try:
+        options = parse_kv_options(
+            params.extra_args, num_prompt, vllm_config.model_config.max_model_len
+        )
+    except KvOptionsError as exc:
+        raise VLLMValidationError(str(exc), parameter=exc.field, value=exc.value) from exc
+    if options is None:
+        return
+    reason = unsupported_reason(vllm_config)
+    if reason is not None:
+        raise VLLMValidationError(reason, parameter="kv_budget", value=options.budget)
+
+
+def _wrap_process_inputs(original):
+    @functools.wraps(original)
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        validate_request(self.vllm_config, request)
+        return request
+
+    process_inputs.__obcache_wrapped__ = True
+    return process_inputs
+
+
+def _wrap_get_scheduler_cls(original):
+    @functools.wraps(original)
+    def get_scheduler_cls(self):
+        cls = original(self)
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        if cls is Scheduler:
+            from obcache_vllm.vllm_ext.scheduler import OBCacheScheduler
+
+            return OBCacheScheduler
+        return cls
+
+    get_scheduler_cls.__obcache_wrapped__ = True
+    return get_scheduler_cls
+
+
+def _patch_method(owner, name: str, wrapper) -> None:
+    current = getattr(owner, name)
+    if getattr(current, "__obcache_wrapped__", False):
+        return
+    setattr(owner, name, wrapper(current))
+
+
+def install() -> None:
+    """Check compatibility, then apply every patch (idempotent, process-local)."""
+    check_compatibility()
+    from vllm.config.scheduler import SchedulerConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    _patch_method(SchedulerConfig, "get_scheduler_cls", _wrap_get_scheduler_cls)
+    _patch_method(InputProcessor, "process_inputs", _wrap_process_inputs)
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+        from vllm.v1.worker import cpu_worker
+
+        from obcache_vllm.vllm_ext.runner import OBCacheCPUModelRunner
+
+        cpu_worker.CPUModelRunner = OBCacheCPUModelRunner
+        register_backend(
+            AttentionBackendEnum.CPU_ATTN, "obcache_vllm.vllm_ext.backend.OBCacheCPUBackend"
+        )

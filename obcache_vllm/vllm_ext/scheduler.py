@@ -1,0 +1,197 @@
+"""The scheduler side of eviction (EngineCore process): orders, block frees, prefix-cache fence.
+
+``OBCacheScheduler`` is vLLM's synchronous ``Scheduler`` plus, for budgeted requests only:
+
+* ``add_request``: parse the kv_* options; never read the prefix cache for the request.
+* ``__init__``: never *register* a budgeted request's blocks in the prefix cache (its blocks are
+  rewritten by compaction; a hash would keep serving the old contents to other requests).
+* ``schedule``: after vLLM scheduled the step, issue an :class:`EvictionOrder` for each budgeted
+  request whose prompt completes in this step (or, with ``kv_decode``, whose decode step leaves a
+  whole block over budget). Orders ride on the ``SchedulerOutput`` (an extra attribute survives
+  the pickle to the worker).
+* ``update_from_output``: for each order the worker reports as applied, and only if the request
+  is still running with the same dead count, replace blocks ``[dead_before, dead_after)`` by the
+  null block and return them to the pool (vLLM's sliding-window mechanism), in the same step.
+* ``_preempt_request``: the request's KV is recomputed from scratch; reset its eviction state.
+* ``_free_request``: drop the state (all blocks go back through vLLM's normal path).
+
+Block accounting is decided here alone; the worker only chooses which tokens survive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from obcache_vllm.options import KvOptions, parse_validated_kv_options
+from obcache_vllm.planning import ORDERS_ATTR, REPORT_ATTR, plan_eviction
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedKvState:
+    """Scheduler-side state of one budgeted request (created on add, dropped on finish)."""
+
+    options: KvOptions
+    prompt_len: int
+    dead: int = 0
+    prefill_done: bool = False
+    evictions: int = 0
+    tokens_evicted: int = 0
+    blocks_freed: int = 0
+
+
+@dataclass(frozen=True)
+class FinishedKvRecord:
+    """KV outcome of one finished budgeted request."""
+
+    req_id: str
+    resident_tokens: int
+    tokens_evicted: int
+    evictions: int
+
+
+@dataclass
+class SchedulerEvictionTotals:
+    """Cumulative counters of this engine (read by metrics and tests)."""
+
+    evictions: int = 0
+    tokens_evicted: int = 0
+    blocks_freed: int = 0
+    orders_not_applied: int = 0
+    scoring_seconds: float = 0.0
+
+
+class OBCacheScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.obcache_states: dict[str, SchedKvState] = {}
+        self.obcache_totals = SchedulerEvictionTotals()
+        # Finished requests' final resident counts, drained by whoever reports them.
+        self.obcache_finished: deque[FinishedKvRecord] = deque(maxlen=4096)
+        coordinator = self.kv_cache_manager.coordinator
+        cache_blocks = coordinator.cache_blocks
+
+        def cache_blocks_unless_budgeted(request, num_computed_tokens):
+            if request.request_id in self.obcache_states:
+                return
+            cache_blocks(request, num_computed_tokens)
+
+        coordinator.cache_blocks = cache_blocks_unless_budgeted
+        managers = coordinator.single_type_managers
+        if len(managers) != 1:
+            raise RuntimeError("obcache-vllm supports single-group (non-hybrid) KV caches only")
+        self._obcache_manager = managers[0]
+
+    def add_request(self, request) -> None:
+        params = request.sampling_params
+        options = None
+        if params is not None and request.request_id not in self.requests:
+            options = parse_validated_kv_options(
+                params.extra_args, request.num_prompt_tokens, self.max_model_len
+            )
+        if options is not None:
+            request.skip_reading_prefix_cache = True
+            self.obcache_states[request.request_id] = SchedKvState(
+                options=options, prompt_len=request.num_prompt_tokens
+            )
+        super().add_request(request)
+
+    def schedule(self, *args, **kwargs):
+        output = super().schedule(*args, **kwargs)
+        orders = {}
+        for req_id in output.num_scheduled_tokens:
+            state = self.obcache_states.get(req_id)
+            if state is None:
+                continue
+            request = self.requests[req_id]
+            if request.is_prefill_chunk:
+                continue
+            if state.prefill_done and not state.options.decode:
+                continue
+            state.prefill_done = True
+            order = plan_eviction(
+                logical_len=request.num_computed_tokens,
+                budget=state.options.budget,
+                dead_blocks=state.dead,
+                block_size=self.block_size,
+            )
+            if order is not None:
+                self._check_writable(req_id, order)
+                orders[req_id] = order
+        setattr(output, ORDERS_ATTR, orders)
+        return output
+
+    def _check_writable(self, req_id: str, order) -> None:
+        """Every block that receives kept tokens must be this request's alone and unhashed."""
+        blocks = self._obcache_manager.req_to_blocks[req_id]
+        pool = self.kv_cache_manager.block_pool
+        last = -(-order.logical_len // order.block_size)
+        for block in blocks[order.dead_after : last]:
+            if not pool.is_block_writable(block):
+                raise RuntimeError(
+                    f"request {req_id}: block {block.block_id} is shared or cached; "
+                    "refusing to compact into it"
+                )
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        orders = getattr(scheduler_output, ORDERS_ATTR, None) or {}
+        report = getattr(model_runner_output, REPORT_ATTR, None)
+        applied = set(report.applied) if report is not None else set()
+        if report is not None:
+            self.obcache_totals.scoring_seconds += report.seconds
+        for req_id, order in orders.items():
+            state = self.obcache_states.get(req_id)
+            request = self.requests.get(req_id)
+            if req_id not in applied:
+                self.obcache_totals.orders_not_applied += 1
+                logger.warning("eviction order for %s was not applied by the worker", req_id)
+                continue
+            if (
+                state is None
+                or request is None
+                or request.status != RequestStatus.RUNNING
+                or state.dead != order.dead_before
+            ):
+                continue
+            self._obcache_manager._remove_blocks_in_range(
+                req_id, order.dead_before, order.dead_after
+            )
+            state.dead = order.dead_after
+            state.evictions += 1
+            state.tokens_evicted += order.tokens_evicted
+            state.blocks_freed += order.blocks_freed
+            totals = self.obcache_totals
+            totals.evictions += 1
+            totals.tokens_evicted += order.tokens_evicted
+            totals.blocks_freed += order.blocks_freed
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _preempt_request(self, request, *args, **kwargs) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        state = self.obcache_states.get(request.request_id)
+        if state is not None:
+            state.dead = 0
+            state.prefill_done = False
+
+    def _free_request(self, request, *args, **kwargs):
+        state = self.obcache_states.pop(request.request_id, None)
+        if state is not None:
+            resident = request.num_computed_tokens - state.dead * self.block_size
+            self.obcache_finished.append(
+                FinishedKvRecord(request.request_id, resident, state.tokens_evicted, state.evictions)
+            )
+        return super()._free_request(request, *args, **kwargs)
+
+    def obcache_resident_tokens(self, req_id: str) -> int | None:
+        """Tokens this budgeted request currently holds in the cache (None if not budgeted)."""
+        state = self.obcache_states.get(req_id)
+        request = self.requests.get(req_id)
+        if state is None or request is None:
+            return None
+        return request.num_computed_tokens - state.dead * self.block_size

@@ -1,0 +1,56 @@
+"""Engine-test fixtures: one in-process plugin engine per session, a step driver, tokenizer.
+
+See helpers.py for why the engine runs in-process and how stock references are produced.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import ENGINE_KWARGS, POOL_BLOCKS, Driver, Internals
+
+# Before any engine exists in this process (vLLM caches its env once an engine is up).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OBCACHE_VLLM_RECORD_KEEP", "1")
+
+
+@pytest.fixture(scope="session")
+def engine_kwargs(model_path: Path) -> dict:
+    return {"model": str(model_path), **ENGINE_KWARGS}
+
+
+@pytest.fixture(scope="session")
+def llm(engine_kwargs: dict) -> Iterator[object]:
+    """The session's vLLM engine with the obcache plugin, EngineCore and worker in-process."""
+    from vllm import LLM
+
+    engine = LLM(**engine_kwargs)
+    yield engine
+    core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine(llm) -> Internals:
+    internals = Internals(llm)
+    assert type(internals.scheduler).__name__ == "OBCacheScheduler"
+    assert type(internals.runner).__name__ == "OBCacheCPUModelRunner"
+    return internals
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+@pytest.fixture
+def driver(engine) -> Driver:
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert engine.free_blocks() == POOL_BLOCKS - 1  # block 0 is vLLM's null block
+    return Driver(engine)

@@ -1,0 +1,162 @@
+"""Engine-test helpers: settings shared with the stock reference, engine internals, a driver.
+
+The shared engine runs vLLM's EngineCore and worker in the pytest process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that tests can read the scheduler, the block pool and
+the worker's eviction state between steps. The real 3-process topology is covered by the
+plugin-probe and server tests.
+
+Stock vLLM references run in a subprocess with ``VLLM_PLUGINS=`` (plugin disabled), with the
+same engine settings, topology and batch composition.
+"""
+
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+
+# Engine settings shared by the plugin engine and the stock reference. A deliberately small
+# pool (96 blocks of 32 tokens = 3072 tokens) makes capacity measurable with short prompts
+# (this 2-core machine prefills only a few hundred tokens per second); 256 batched tokens make
+# every long prompt a chunked prefill.
+POOL_BLOCKS = 96
+# float32: this CPU has no bf16 matmul units (bf16 GEMMs measured ~4x slower than fp32 here).
+ENGINE_KWARGS = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=2048,
+    block_size=32,
+    seed=0,
+    num_gpu_blocks_override=POOL_BLOCKS,
+    max_num_batched_tokens=256,
+    max_num_seqs=64,
+)
+
+
+@dataclass
+class Internals:
+    """Handles on the in-process engine's internals (scheduler, block pool, worker runner)."""
+
+    llm: object
+
+    @property
+    def core(self):
+        return self.llm.llm_engine.engine_core.engine_core
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def pool(self):
+        return self.scheduler.kv_cache_manager.block_pool
+
+    @property
+    def runner(self):
+        return self.core.model_executor.driver_worker.worker.model_runner
+
+    def free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def live_blocks(self, req_id: str) -> int:
+        """Blocks the request holds in the pool (null blocks excluded)."""
+        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        return sum(1 for b in manager.req_to_blocks.get(req_id, []) if not b.is_null)
+
+
+class Held(NamedTuple):
+    """What one request holds after a step: live blocks, resident tokens, logical tokens."""
+
+    blocks: int
+    resident: int | None
+    computed: int
+
+
+@dataclass
+class Driver:
+    """Adds requests and steps the engine by hand, recording what the scheduler holds."""
+
+    engine: Internals
+    outputs: dict = field(default_factory=dict)  # internal request id -> token ids
+    internal: dict = field(default_factory=dict)  # the id given to add() -> vLLM's internal id
+    max_running: int = 0
+    trace: list = field(default_factory=list)
+
+    def add(self, req_id: str, prompt_ids: list[int], max_tokens: int, **kv) -> str:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=kv or None)
+        internal = self.engine.llm.llm_engine.add_request(
+            req_id, {"prompt_token_ids": prompt_ids}, params
+        )
+        self.internal[req_id] = internal
+        return internal
+
+    def step(self) -> None:
+        for out in self.engine.llm.llm_engine.step():
+            if out.finished:
+                rid = self.internal.get(out.request_id, out.request_id)
+                self.outputs[rid] = list(out.outputs[0].token_ids)
+        sched = self.engine.scheduler
+        self.max_running = max(self.max_running, len(sched.running))
+        self.trace.append(
+            {
+                rid: Held(
+                    self.engine.live_blocks(rid),
+                    sched.obcache_resident_tokens(rid),
+                    req.num_computed_tokens,
+                )
+                for rid, req in sched.requests.items()
+            }
+        )
+
+    def run(self, max_steps: int = 10_000) -> dict:
+        for _ in range(max_steps):
+            if not self.engine.llm.llm_engine.has_unfinished_requests():
+                return self.outputs
+            self.step()
+        raise AssertionError("engine did not finish")
+
+
+def run_stock(engine_kwargs: dict, batches: list[list[dict]]) -> list[list[list[int]]]:
+    """Token ids from stock vLLM (plugin disabled) for the given batches (see stock_runner.py).
+
+    Results are cached in ``.cache/stock-refs`` (git-ignored) keyed on the request spec and the
+    installed vLLM version, so repeated local runs skip the reference engine; CI, on a fresh
+    clone, always computes them.
+    """
+    import hashlib
+
+    import vllm
+
+    spec_text = json.dumps({"engine": engine_kwargs, "batches": batches}, sort_keys=True)
+    key = hashlib.sha256((vllm.__version__ + spec_text).encode()).hexdigest()[:24]
+    cache = Path(__file__).resolve().parents[2] / ".cache" / "stock-refs" / f"{key}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "in.json"
+        out = Path(tmp) / "out.json"
+        spec.write_text(spec_text)
+        # Same in-process topology as the plugin engine: same threads, same numerics.
+        env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("stock_runner.py")), str(spec), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"stock vLLM run failed:\n{proc.stderr[-4000:]}")
+        result = json.loads(out.read_text())
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(result))
+    return result

@@ -1,0 +1,94 @@
+"""The vLLM seams obcache-vllm patches: pinned, checked at start-up, failing loudly on change."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+from obcache_vllm.vllm_ext import install as inst
+
+
+def test_installed_vllm_matches_every_pinned_seam():
+    inst.check_compatibility()  # raises with the list of differences otherwise
+
+
+def test_every_seam_is_pinned_by_its_exact_parameters():
+    for module, qualname, params in inst.SEAMS:
+        target = inst._resolve(module, qualname)
+        names = tuple(inspect.signature(target).parameters)
+        assert names[: len(params)] == params, f"{module}.{qualname}: {names}"
+
+
+def test_a_changed_signature_refuses_to_start(monkeypatch):
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    def changed(self, request_id, start, stop):  # renamed parameters
+        raise AssertionError
+
+    monkeypatch.setattr(SingleTypeKVCacheManager, "_remove_blocks_in_range", changed)
+    with pytest.raises(inst.IncompatibleVllmError, match="_remove_blocks_in_range"):
+        inst.check_compatibility()
+
+
+def test_another_vllm_version_refuses_to_start(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(inst.IncompatibleVllmError, match="0.33.0"):
+        inst.check_compatibility()
+
+
+def test_install_is_idempotent():
+    from vllm.config.scheduler import SchedulerConfig
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    inst.install()
+    first = (SchedulerConfig.get_scheduler_cls, InputProcessor.process_inputs)
+    inst.install()
+    assert (SchedulerConfig.get_scheduler_cls, InputProcessor.process_inputs) == first
+    assert not getattr(
+        getattr(InputProcessor.process_inputs, "__wrapped__", None), "__obcache_wrapped__", False
+    ), "wrapped twice"
+
+
+def test_unsupported_configurations_are_named(llm):
+    config = llm.llm_engine.vllm_config
+    assert inst.unsupported_reason(config) is None
+    cases = {
+        "speculative": dict(speculative_config=SimpleNamespace()),
+        "KV connectors": dict(kv_transfer_config=SimpleNamespace()),
+    }
+    for needle, change in cases.items():
+        fake = copy.copy(config)
+        for k, v in change.items():
+            object.__setattr__(fake, k, v)
+        assert needle in inst.unsupported_reason(fake)
+    fake = copy.copy(config)
+    object.__setattr__(fake, "cache_config", SimpleNamespace(cache_dtype="fp8"))
+    assert "quantized" in inst.unsupported_reason(fake)
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        pytest.param({"kv_budget": -1}, "kv_budget", id="negative"),
+        pytest.param({"kv_budget": 64, "kv_scorer": "magic"}, "kv_scorer", id="scorer"),
+        pytest.param({"kv_budget": 99999}, "kv_budget", id="beyond-context"),
+    ],
+)
+def test_bad_options_are_rejected_before_the_engine_and_it_keeps_serving(engine, extra, field):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    free = engine.free_blocks()
+    with pytest.raises(VLLMValidationError) as info:
+        engine.llm.generate(["Hello there"], SamplingParams(max_tokens=2, extra_args=extra),
+                            use_tqdm=False)
+    assert info.value.parameter == field
+    assert engine.free_blocks() == free and not engine.scheduler.requests
+    ok = engine.llm.generate(["Hello there"], SamplingParams(max_tokens=2, temperature=0),
+                             use_tqdm=False)
+    assert len(ok[0].outputs[0].token_ids) == 2
