@@ -204,7 +204,7 @@ def test_abort_after_eviction_returns_every_block(driver, prompts):
     assert engine.scheduler.obcache_resident_tokens(victim) < len(prompts["needle0"])
     engine.llm.llm_engine.abort_request(["abort-me"])  # the client's id, as the server does
     out = driver.run()
-    assert len(out[victim]) < 200 and len(out[neighbour]) == 12  # aborted mid-generation
+    assert len(out.get(victim, [])) < 200 and len(out[neighbour]) == 12  # aborted mid-way
     assert engine.free_blocks() == POOL_BLOCKS - 1
     assert victim not in engine.runner.obcache_states
 
