@@ -30,7 +30,8 @@ BLOCK = 32
 def _engine(model: str, pool_blocks: int | None, max_len: int):
     from vllm import LLM
 
-    kw = dict(model=model, enforce_eager=True, max_model_len=max_len, block_size=BLOCK, seed=0)
+    kw = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=max_len,
+              block_size=BLOCK, seed=0)
     if pool_blocks:
         kw["num_gpu_blocks_override"] = pool_blocks
     return LLM(**kw)
@@ -104,7 +105,7 @@ def worker_serving(args) -> dict:
 
 
 def _run_child(mode: str, stock: bool, extra: list[str]) -> dict:
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0"}
     if stock:
         env["VLLM_PLUGINS"] = ""
     cmd = [sys.executable, __file__, mode, "--child"] + (["--stock"] if stock else []) + extra
