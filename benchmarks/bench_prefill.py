@@ -25,6 +25,7 @@ import time
 
 SCORERS = ("attn", "obcache_value", "obcache_key", "obcache_joint")
 BLOCK = 32
+MARK = "BENCH_RESULT "
 
 
 def _engine(model: str, pool_blocks: int | None, max_len: int):
@@ -105,14 +106,18 @@ def worker_serving(args) -> dict:
 
 
 def _run_child(mode: str, stock: bool, extra: list[str]) -> dict:
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    # One core by default: on a shared 2-core machine, OpenMP barriers across both cores make
+    # every small op wait for a descheduled thread (set VLLM_CPU_OMP_THREADS_BIND to override).
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0", **os.environ,
+           "VLLM_USE_V2_MODEL_RUNNER": "0"}
     if stock:
         env["VLLM_PLUGINS"] = ""
     cmd = [sys.executable, __file__, mode, "--child"] + (["--stock"] if stock else []) + extra
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"child failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(MARK))
+    return json.loads(line.removeprefix(MARK))
 
 
 def main() -> None:
@@ -136,7 +141,7 @@ def main() -> None:
         args.model = str(model.pull(log=lambda m: None))
     if args.child:
         fn = worker_overhead if args.mode == "overhead" else worker_serving
-        print(json.dumps(fn(args)))
+        print(MARK + json.dumps(fn(args)))  # vLLM also logs to stdout
         return
 
     common = ["--model", args.model]

@@ -136,7 +136,10 @@ def run_stock(engine_kwargs: dict, batches: list[list[dict]]) -> list[list[list[
 
     import vllm
 
-    spec_text = json.dumps({"engine": engine_kwargs, "batches": batches}, sort_keys=True)
+    threads = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    spec_text = json.dumps(
+        {"engine": engine_kwargs, "batches": batches, "threads": threads}, sort_keys=True
+    )
     key = hashlib.sha256((vllm.__version__ + spec_text).encode()).hexdigest()[:24]
     cache = Path(__file__).resolve().parents[2] / ".cache" / "stock-refs" / f"{key}.json"
     if cache.exists():
@@ -147,6 +150,8 @@ def run_stock(engine_kwargs: dict, batches: list[list[dict]]) -> list[list[list[
         spec.write_text(spec_text)
         # Same in-process topology as the plugin engine: same threads, same numerics.
         env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if threads == "0":  # one core each: the plugin engine is bound to core 0
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "1"
         proc = subprocess.run(
             [sys.executable, str(Path(__file__).with_name("stock_runner.py")), str(spec), str(out)],
             env=env,
