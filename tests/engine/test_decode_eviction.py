@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from helpers import POOL_BLOCKS, run_stock
 from texts import haystack
@@ -13,6 +15,11 @@ def _ids(tokenizer, text):
     return tokenizer(text).input_ids
 
 
+# >= 2,000 generated tokens (issue 5). One core: 640 tokens took 114 s with engine start-up
+# here; a busy machine can be 10x slower, so OBCACHE_TEST_LONG_GENERATION can shorten it.
+GENERATED = int(os.environ.get("OBCACHE_TEST_LONG_GENERATION", "2000"))
+
+
 @pytest.mark.slow
 def test_long_generation_never_holds_more_than_budget_plus_one_block(driver, tokenizer):
     engine, budget = driver.engine, 256
@@ -20,7 +27,7 @@ def test_long_generation_never_holds_more_than_budget_plus_one_block(driver, tok
     from vllm import SamplingParams
 
     params = SamplingParams(
-        temperature=0, max_tokens=2000, ignore_eos=True,
+        temperature=0, max_tokens=GENERATED, ignore_eos=True,
         extra_args={"kv_budget": budget, "kv_decode": True, "kv_pipeline": "h2o",
                     "kv_scorer": "obcache_key"},
     )
@@ -29,12 +36,12 @@ def test_long_generation_never_holds_more_than_budget_plus_one_block(driver, tok
     )
     bound = -(-(budget + BS) // BS)  # blocks for budget + one block
     out = driver.run()
-    assert len(out[rid]) == 2000
+    assert len(out[rid]) == GENERATED
     held = [step[rid].blocks for step in driver.trace if rid in step]
-    assert len(held) >= 2000 and max(held) <= bound, max(held)
+    assert len(held) >= GENERATED - 1 and max(held) <= bound, max(held)  # gone at the last step
     record = engine.scheduler.obcache_finished[-1]
     assert record.req_id == rid
-    assert record.evictions >= (len(prompt) + 2000 - budget) // BS - 1
+    assert record.evictions >= (len(prompt) + GENERATED - budget) // BS - 1
     assert budget <= record.resident_tokens < budget + BS + 1
     assert engine.free_blocks() == POOL_BLOCKS - 1
 
