@@ -24,15 +24,6 @@ pytestmark = pytest.mark.unit
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: extra OpenMP threads only add overhead (DESIGN.md section 6)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_add_pads_new_entries_with_zero_then_sums():
     rs = RunningScores(2)
     assert rs.length == 0 and rs.scores.shape == (2, 0)

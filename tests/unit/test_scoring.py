@@ -23,15 +23,6 @@ ATTENTION_SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obca
 OBCACHE_KINDS = ("obcache_value", "obcache_key", "obcache_joint")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: extra OpenMP threads only add overhead (DESIGN.md section 6)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------- inputs and oracles
 
 

@@ -21,15 +21,6 @@ pytestmark = pytest.mark.unit
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: extra OpenMP threads only add overhead (DESIGN.md section 6)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def oracle_keep(scores: torch.Tensor, keep: int, recent: int, sinks: int) -> list[list[int]]:
     """Per head: sinks + recent + the best (score desc, index asc) of the rest, sorted."""
     num_t = scores.shape[1]
