@@ -35,7 +35,8 @@ from obcache_vllm.model import EXPECTED_CONFIG
 from obcache_vllm.options import parse_kv_options
 from obcache_vllm.planning import plan_eviction
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+# The module fixture runs both sides (~5-10 min on 2 cores); it counts against the first test.
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 NUM_PROMPTS = 20
 BLOCK_SIZE = 32  # the engine's (helpers.ENGINE_KWARGS)
