@@ -17,35 +17,12 @@ Usage (the default model from ``obcache-vllm model pull``)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import time
 
-SCORERS = ("attn", "obcache_value", "obcache_key", "obcache_joint")
-BLOCK = 32
-MARK = "BENCH_RESULT "
-
-
-def _engine(model: str, pool_blocks: int | None, max_len: int):
-    from vllm import LLM
-
-    kw = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=max_len,
-              block_size=BLOCK, seed=0)
-    if pool_blocks:
-        kw["num_gpu_blocks_override"] = pool_blocks
-    return LLM(**kw)
-
-
-def _prompts(tokenizer, count: int, tokens: int, seed: int) -> list[list[int]]:
-    from obcache_vllm.textgen import haystack
-
-    out = []
-    for i in range(count):
-        ids = tokenizer(haystack(tokens // 20, seed + i)).input_ids
-        out.append(ids[:tokens])
-    return out
+from common import BLOCK, SCORERS, default_model, emit, run_child
+from common import engine as _engine
+from common import prompts as _prompts
 
 
 def worker_overhead(args) -> dict:
@@ -105,21 +82,6 @@ def worker_serving(args) -> dict:
     }
 
 
-def _run_child(mode: str, stock: bool, extra: list[str]) -> dict:
-    # One core by default: on a shared 2-core machine, OpenMP barriers across both cores make
-    # every small op wait for a descheduled thread (set VLLM_CPU_OMP_THREADS_BIND to override).
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0", **os.environ,
-           "VLLM_USE_V2_MODEL_RUNNER": "0"}
-    if stock:
-        env["VLLM_PLUGINS"] = ""
-    cmd = [sys.executable, __file__, mode, "--child"] + (["--stock"] if stock else []) + extra
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"child failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    line = next(x for x in proc.stdout.splitlines() if x.startswith(MARK))
-    return json.loads(line.removeprefix(MARK))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("mode", choices=["overhead", "serving"])
@@ -135,20 +97,17 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.model is None:
-        from obcache_vllm import model
-
-        args.model = str(model.pull(log=lambda m: None))
+    args.model = default_model(args.model)
     if args.child:
         fn = worker_overhead if args.mode == "overhead" else worker_serving
-        print(MARK + json.dumps(fn(args)))  # vLLM also logs to stdout
+        emit(fn(args))  # vLLM also logs to stdout
         return
 
     common = ["--model", args.model]
     if args.mode == "overhead":
         extra = common + ["--lengths", *map(str, args.lengths), "--repeats", str(args.repeats)]
-        stock = _run_child("overhead", True, extra)
-        ours = _run_child("overhead", False, extra)
+        stock = run_child(__file__, "overhead", True, extra)
+        ours = run_child(__file__, "overhead", False, extra)
         print("| prompt tokens | scorer | stock s | obcache s | ratio |")
         print("|---|---|---|---|---|")
         for length in args.lengths:
@@ -162,17 +121,19 @@ def main() -> None:
         "--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
         "--max-tokens", str(args.max_tokens), "--pool-blocks", str(args.pool_blocks),
     ]
-    rows = [("none (stock)", _run_child("serving", True, extra))]
+    rows = [("none (stock)", run_child(__file__, "serving", True, extra))]
     for b in args.budgets:
-        rows.append((f"{b:g}", _run_child("serving", False, extra + ["--budget", str(b)])))
+        rows.append((f"{b:g}", run_child(__file__, "serving", False, extra + ["--budget", str(b)])))
     base = rows[0][1]
     print(f"pool {args.pool_blocks} blocks x {BLOCK} tokens; {args.requests} requests of "
           f"{args.prompt_tokens} prompt + {args.max_tokens} output tokens")
     print("| budget | req/s | ratio | out tok/s | peak running | mean KV usage |")
     print("|---|---|---|---|---|---|")
     for name, r in rows:
-        print(f"| {name} | {r['requests_per_s']:.3f} | {r['requests_per_s'] / base['requests_per_s']:.2f}"
-              f" | {r['output_tokens_per_s']:.1f} | {r['peak_running']} | {r['mean_kv_usage']:.2f} |")
+        ratio = r["requests_per_s"] / base["requests_per_s"]
+        print(f"| {name} | {r['requests_per_s']:.3f} | {ratio:.2f}"
+              f" | {r['output_tokens_per_s']:.1f} | {r['peak_running']}"
+              f" | {r['mean_kv_usage']:.2f} |")
 
 
 if __name__ == "__main__":
