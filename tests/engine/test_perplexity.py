@@ -84,7 +84,7 @@ def test_teacher_forcing_matches_prompt_logprobs_and_evicts(engine, tokenizer):
     diff = (full - expected).abs()
     print(f"forced vs prompt_logprobs: max |diff| {float(diff.max()):.2e}, "
           f"mean {float(diff.mean()):.2e} over {FORCED} tokens")
-    assert diff.max() < 2e-3, float(diff.max())
+    assert diff.max() < 1e-3, float(diff.max())  # measured: 4e-5
     assert full.min() < -1.0  # not the forced distribution (that would be all zeros)
 
     # Budgeted: the same log-probs until the first eviction, different after it.
