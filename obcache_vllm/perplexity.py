@@ -217,7 +217,7 @@ def markdown_table(summary: dict, table_bin: int) -> str:
 
 
 def plot(results: dict, path: Path, plot_bin: int = 256) -> None:
-    """Perplexity vs position, one panel per budget (full cache in every panel)."""
+    """Per budget (columns): perplexity vs position (top) and its ratio to the full cache."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,25 +225,34 @@ def plot(results: dict, path: Path, plot_bin: int = 256) -> None:
 
     summary = summarise(results, plot_bin)
     budgets = sorted({m["budget"] for m in results["method_info"].values() if m["budget"]})
-    fig, axes = plt.subplots(1, max(1, len(budgets)), figsize=(5 * max(1, len(budgets)), 4),
-                             sharey=True, squeeze=False)
-    for ax, budget in zip(axes[0], budgets or [None], strict=False):
+    cols = max(1, len(budgets))
+    fig, axes = plt.subplots(2, cols, figsize=(max(6, 5 * cols), 7), sharex=True, sharey="row",
+                             squeeze=False)
+    full = summary.get("full", {}).get("bins")
+    for col, budget in enumerate(budgets or [None]):
+        top, bottom = axes[0][col], axes[1][col]
         for name, info in results["method_info"].items():
             if info["budget"] not in (None, budget):
                 continue
             ys = summary[name]["bins"]
             xs = [(i + 0.5) * plot_bin for i in range(len(ys))]
-            style = {"color": "black", "linewidth": 2} if info["budget"] is None else {}
-            ax.plot(xs, ys, label=name.split("@")[0], **style)
-        ax.set_title(f"budget {budget}" if budget else "full cache")
-        ax.set_xlabel("position (tokens)")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"perplexity (per {plot_bin} tokens)")
+            style = {"marker": "."}
+            if info["budget"] is None:
+                style.update(color="black", linewidth=2)
+            top.plot(xs, ys, label=name.split("@")[0], **style)
+            if full:
+                bottom.plot(xs, [y / f for y, f in zip(ys, full, strict=False)], **style)
+        top.set_title(f"budget {budget}" if budget else "full cache")
+        top.grid(alpha=0.3)
+        bottom.grid(alpha=0.3)
+        bottom.set_xlabel("position (tokens)")
+    axes[0][0].set_ylabel(f"perplexity (per {plot_bin} positions)")
+    axes[1][0].set_ylabel("perplexity / full cache")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"{results['model_name']}, teacher-forced KJV, {len(results['documents'])} docs")
+    docs = len(results["documents"])
+    fig.suptitle(f"{results['model_name']}, teacher-forced KJV, {docs} document(s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -341,6 +350,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--scorers", nargs="+", default=list(SCORED), choices=SCORED)
     ap.add_argument("--table-bin", type=int, default=1024, help="positions per table column")
     ap.add_argument("--out", type=Path, default=Path("results/ppl"))
+    ap.add_argument("--report-only", type=Path, default=None, metavar="RESULTS_JSON",
+                    help="only rewrite the reports (--out) from an earlier results.json")
     ap.add_argument("--checkpoint-every", type=int, default=500,
                     help="write partial reports every N engine steps")
     return ap
@@ -348,6 +359,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.report_only is not None:
+        results = json.loads(args.report_only.read_text())
+        print(write_reports(results, args.out, args.table_bin))
+        return 0
     if args.docs < 1 or args.docs > len(args.books):
         raise SystemExit(f"--docs must be in [1, {len(args.books)}] (one per --books entry)")
     if args.table_bin % BIN:
