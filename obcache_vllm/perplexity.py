@@ -368,6 +368,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.table_bin % BIN:
         raise SystemExit(f"--table-bin must be a multiple of {BIN}")
     try:
+        import matplotlib  # noqa: F401  (checked now: the plot comes after a long run)
+    except ImportError:
+        print("obcache-vllm ppl: error: matplotlib is missing (pip install matplotlib, or "
+              "install the dev extra: pip install -e '.[cpu,dev]')", file=sys.stderr)
+        return 2
+    try:
         texts = {b: kjv_book(b) for b in args.books[: args.docs]}
     except MissingTextError as exc:
         print(f"obcache-vllm ppl: error: {exc}", file=sys.stderr)
