@@ -139,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
         "(arguments are passed to `vllm serve`; see `obcache-vllm serve --help`)",
         add_help=False,
     )
+    sub.add_parser(
+        "ppl",
+        help="teacher-forced perplexity vs position under decode-time eviction "
+        "(see `obcache-vllm ppl --help`)",
+        add_help=False,
+    )
     return parser
 
 
@@ -147,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == ["serve"]:
             return _serve(argv[1:])
+        if argv[:1] == ["ppl"]:
+            from obcache_vllm import perplexity
+
+            return perplexity.main(argv[1:])
         args = _parser().parse_args(argv)
         return _model_command(args)
     except model.ModelError as exc:

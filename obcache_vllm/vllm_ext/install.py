@@ -147,6 +147,20 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("self", "request_id", "prompt", "params"),
     ),
     ("vllm.v1.attention.backends.registry", "register_backend", ("backend", "class_path")),
+    # Teacher forcing (forcing.py): a v1 batch-level logits processor, applied by the sampler
+    # AFTER the raw logprobs are computed (Sampler.forward), so forced tokens keep model logprobs.
+    (
+        "vllm.v1.sample.logits_processor",
+        "LogitsProcessor.__init__",
+        ("self", "vllm_config", "device", "is_pin_memory"),
+    ),
+    ("vllm.v1.sample.logits_processor", "LogitsProcessor.update_state", ("self", "batch_update")),
+    ("vllm.v1.sample.logits_processor", "LogitsProcessor.apply", ("self", "logits")),
+    (
+        "vllm.v1.sample.sampler",
+        "Sampler.forward",
+        ("self", "logits", "sampling_metadata", "predict_bonus_token", "logprobs_mode_override"),
+    ),
 )
 
 # Attributes (not callables) we read or write.
@@ -154,6 +168,8 @@ ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("vllm.v1.worker.cpu_worker", "CPUModelRunner"),
     ("vllm.v1.core.sched.output", "SchedulerOutput"),
     ("vllm.v1.outputs", "ModelRunnerOutput"),
+    ("vllm.v1.sample.logits_processor", "BatchUpdate"),
+    ("vllm.v1.sample.logits_processor", "MoveDirectionality"),
 )
 
 

@@ -28,10 +28,16 @@ def engine_kwargs(model_path: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def llm(engine_kwargs: dict) -> Iterator[object]:
-    """The session's vLLM engine with the obcache plugin, EngineCore and worker in-process."""
+    """The session's vLLM engine with the obcache plugin, EngineCore and worker in-process.
+
+    It also carries the teacher-forcing logits processor (test_perplexity.py): requests without
+    ``forced_tokens`` never see it, so every other test still compares against stock vLLM.
+    """
     from vllm import LLM
 
-    engine = LLM(**engine_kwargs)
+    from obcache_vllm.vllm_ext.forcing import FORCE_TOKENS_FQCN
+
+    engine = LLM(**engine_kwargs, logits_processors=[FORCE_TOKENS_FQCN])
     yield engine
     core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):

@@ -1,0 +1,72 @@
+"""Helpers shared by the engine benchmarks (bench_prefill.py, bench_decode.py).
+
+Every configuration runs in a fresh child process so that stock vLLM (``VLLM_PLUGINS=``, plugin
+disabled) and the plugin engine see identical settings. vLLM logs to stdout, so a child reports
+its result as one JSON line prefixed with :data:`MARK`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCORERS = ("attn", "obcache_value", "obcache_key", "obcache_joint")
+BLOCK = 32
+MARK = "BENCH_RESULT "
+
+
+def engine(model: str, pool_blocks: int | None, max_len: int, **extra):
+    """A vLLM engine with the project's CPU settings (fp32, eager, 32-token blocks, seed 0)."""
+    from vllm import LLM
+
+    kw = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=max_len,
+              block_size=BLOCK, seed=0, **extra)
+    if pool_blocks:
+        kw["num_gpu_blocks_override"] = pool_blocks
+    return LLM(**kw)
+
+
+def prompts(tokenizer, count: int, tokens: int, seed: int) -> list[list[int]]:
+    """``count`` deterministic haystack prompts of exactly ``tokens`` token ids."""
+    from obcache_vllm.textgen import haystack
+
+    out = []
+    for i in range(count):
+        ids = tokenizer(haystack(tokens // 20, seed + i)).input_ids
+        out.append(ids[:tokens])
+    return out
+
+
+def default_model(model: str | None) -> str:
+    """``model``, or the provisioned default model's directory."""
+    if model is not None:
+        return model
+    from obcache_vllm import model as model_mod
+
+    return str(model_mod.pull(log=lambda m: None))
+
+
+def emit(result: dict) -> None:
+    """Child side: print the result line the parent looks for."""
+    print(MARK + json.dumps(result), flush=True)
+
+
+def run_child(script: str, mode: str, stock: bool, extra: list[str],
+              env_extra: dict | None = None) -> dict:
+    """Run ``script mode --child [--stock] extra...`` and return its result line.
+
+    One core by default: on a shared 2-core machine, OpenMP barriers across both cores make
+    every small op wait for a descheduled thread (set VLLM_CPU_OMP_THREADS_BIND to override).
+    """
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0", **os.environ,
+           "VLLM_USE_V2_MODEL_RUNNER": "0", **(env_extra or {})}
+    if stock:
+        env["VLLM_PLUGINS"] = ""
+    cmd = [sys.executable, script, mode, "--child"] + (["--stock"] if stock else []) + extra
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"child failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(MARK))
+    return json.loads(line.removeprefix(MARK))
