@@ -208,5 +208,7 @@ def parse_validated_kv_options(
     except KvOptionsError as exc:
         import logging
 
-        logging.getLogger(__name__).error("ignoring invalid kv options (%s); serving unbudgeted", exc)
+        logging.getLogger(__name__).error(
+            "ignoring invalid kv options (%s); serving unbudgeted", exc
+        )
         return None
