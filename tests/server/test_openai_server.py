@@ -338,6 +338,7 @@ def test_compressed_request_uses_less_of_the_pool_and_disconnect_frees_everythin
     assert _idle(server) is not None
     compressed = _usage_while_generating(server, {"kv_budget": 64})
     full = _usage_while_generating(server, {})
+    print(f"\nkv_cache_usage_perc mid-generation: kv_budget=64 {compressed:.4f}, none {full:.4f}")
     # ~700 prompt tokens: ~23 of the 96 blocks without a budget, 3-4 with it.
     assert full > 0.15, full
     assert compressed < full / 3, (compressed, full)
