@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-engine lint clean-model
+.PHONY: setup serve test test-unit test-engine test-server lint clean-model
 
 setup:
 	@bash scripts/setup.sh
@@ -24,6 +24,9 @@ test-unit: setup
 
 test-engine: setup
 	$(PY) -m pytest -m engine $(PYTEST_ARGS)
+
+test-server: setup
+	$(PY) -m pytest -m server $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

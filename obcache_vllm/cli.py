@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from obcache_vllm import __version__, model
+from obcache_vllm import __version__, config, model
 
 # Defaults for `serve` on this CPU build; any of them can be overridden on the command line
 # (vLLM's parser keeps the last occurrence of an option, and user arguments come last).
@@ -63,6 +63,8 @@ def serve_env(environ: Mapping[str, str]) -> dict[str, str]:
 def _serve(user_args: Sequence[str]) -> int:
     if any(a in ("-h", "--help") or a.startswith("--help=") for a in user_args):
         return _run_vllm_serve(list(user_args))
+    # The kv_* defaults (configs/default.yaml, OBCACHE_VLLM_CONFIG, OBCACHE_KV_*): fail fast.
+    config.load_defaults()
     argv, uses_default = build_serve_argv(user_args, model.default_model_path())
     if uses_default:
         model.pull()
@@ -159,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return perplexity.main(argv[1:])
         args = _parser().parse_args(argv)
         return _model_command(args)
-    except model.ModelError as exc:
+    except (model.ModelError, config.ConfigError) as exc:
         print(f"obcache-vllm: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -47,6 +47,9 @@ WIRE_FIELDS = (
     "kv_compress_at",
 )
 
+# kv_-prefixed extra_args keys that belong to vLLM, not to us (KV-connector transfer params).
+FOREIGN_KV_KEYS = ("kv_transfer_params",)
+
 DEFAULT_SCORER = "obcache_key"
 DEFAULT_PIPELINE = "snapkv"
 DEFAULT_WINDOW = 64
@@ -172,7 +175,11 @@ def parse_kv_options(
         KvOptionsError: an unknown ``kv_*`` key, or a value out of its domain.
     """
     raw = dict(extra_args or {})
-    unknown = sorted(k for k in raw if k.startswith("kv_") and k not in WIRE_FIELDS)
+    unknown = sorted(
+        k
+        for k in raw
+        if k.startswith("kv_") and k not in WIRE_FIELDS and k not in FOREIGN_KV_KEYS
+    )
     if unknown:
         raise KvOptionsError(
             unknown[0], f"unknown option; known: {', '.join(WIRE_FIELDS)}", raw[unknown[0]]

@@ -27,6 +27,10 @@ from dataclasses import dataclass
 # processes, and pickling keeps instance attributes.
 ORDERS_ATTR = "obcache_orders"
 REPORT_ATTR = "obcache_report"
+# EngineCoreOutput.kv_transfer_params key carrying a budgeted request's KV outcome to the
+# front-end, and the SchedulerStats field carrying the eviction counters (see vllm_ext).
+OUTCOME_KEY = "obcache"
+STATS_ATTR = "obcache"
 
 
 @dataclass(frozen=True)

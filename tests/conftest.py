@@ -8,8 +8,10 @@ Layers (markers registered in pyproject.toml):
 
 Session fixtures here: `model_path` provisions the default model through the same code as
 `obcache-vllm model pull`; `plugin_trace_file` is where the plugin records each process that
-loaded it. The shared engine (`llm`) lives in tests/engine/conftest.py. Nothing here imports
-vLLM, so unit tests never pay for it.
+loaded it; `server` is one real `obcache-vllm serve` process shared by every server test
+(started on first use, about a minute), `stock_server` the same with the plugin disabled. The
+shared in-process engine (`llm`) lives in tests/engine/conftest.py. Nothing here imports vLLM,
+so unit tests never pay for it.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if parts[0] == "engine":
             item.add_marker(pytest.mark.engine)
+        elif parts[0] == "server":
+            item.add_marker(pytest.mark.server)
         elif parts[0] == "unit" and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.unit)
 
@@ -85,6 +89,26 @@ def model_path() -> Path:
         return model.pull()
     except model.ModelError as exc:
         pytest.fail(f"model provisioning failed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The session's `obcache-vllm serve` (plugin active), small test settings."""
+    from serverproc import running_server
+
+    with running_server(tmp_path_factory.mktemp("server")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def stock_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The same server with the plugin disabled (`VLLM_PLUGINS=`): stock vLLM."""
+    from serverproc import running_server
+
+    with running_server(
+        tmp_path_factory.mktemp("stock-server"), env_overrides={"VLLM_PLUGINS": ""}
+    ) as srv:
+        yield srv
 
 
 # --- Model-cache helpers for unit tests (no transformers: a fake conversion) -------------------

@@ -13,6 +13,10 @@ rather than silently compacting KV through a changed interface. Then, process-lo
 * ``InputProcessor.process_inputs``: kv_* options are validated in the front-end, before the
   request reaches the engine (``VLLMValidationError`` -> HTTP 400), including configurations
   that cannot evict (they refuse budgeted requests only).
+* ``SchedulerStats`` gains an ``obcache`` field (every process; see ``stats.py``).
+* In the process that serves the OpenAI API (vLLM's app builder is loaded):
+  :func:`obcache_vllm.vllm_ext.server.install_server` (kv_* request fields and server defaults,
+  ``usage.obcache``, ``GET /v1/obcache/config``) and the obcache Prometheus stat logger.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import functools
 import importlib
 import inspect
 import logging
+import sys
 
 from obcache_vllm.options import KvOptionsError, parse_kv_options
 
@@ -161,6 +166,64 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "Sampler.forward",
         ("self", "logits", "sampling_metadata", "predict_bonus_token", "logprobs_mode_override"),
     ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.make_stats",
+        (
+            "self",
+            "spec_decoding_stats",
+            "kv_connector_stats",
+            "cudagraph_stats",
+            "perf_stats",
+            "ec_connector_stats",
+        ),
+    ),
+    (
+        "vllm.v1.metrics.loggers",
+        "PrometheusStatLogger.__init__",
+        ("self", "vllm_config", "engine_indexes"),
+    ),
+    (
+        "vllm.v1.metrics.loggers",
+        "PrometheusStatLogger.record",
+        ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
+    ),
+    ("vllm.v1.engine.async_llm", "load_stat_logger_plugin_factories", ()),
+    (
+        "vllm.entrypoints.openai.chat_completion.protocol",
+        "ChatCompletionRequest.to_sampling_params",
+        ("self", "max_tokens", "default_sampling_params"),
+    ),
+    (
+        "vllm.entrypoints.openai.completion.protocol",
+        "CompletionRequest.to_sampling_params",
+        ("self", "max_tokens", "default_sampling_params"),
+    ),
+    (
+        "vllm.entrypoints.openai.chat_completion.serving",
+        "OpenAIServingChat.chat_completion_full_generator",
+        ("self", "request", "result_generator"),
+    ),
+    (
+        "vllm.entrypoints.openai.chat_completion.serving",
+        "OpenAIServingChat.chat_completion_stream_generator",
+        ("self", "request", "result_generator"),
+    ),
+    (
+        "vllm.entrypoints.openai.completion.serving",
+        "OpenAIServingCompletion.completion_stream_generator",
+        ("self", "request", "engine_inputs", "result_generator"),
+    ),
+    (
+        "vllm.entrypoints.openai.completion.serving",
+        "OpenAIServingCompletion.request_output_to_completion_response",
+        ("self", "final_res_batch"),
+    ),
+    (
+        "vllm.entrypoints.launchers.app",
+        "register_api_routers",
+        ("args", "app", "supported_tasks", "model_config"),
+    ),
 )
 
 # Attributes (not callables) we read or write.
@@ -170,6 +233,10 @@ ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("vllm.v1.outputs", "ModelRunnerOutput"),
     ("vllm.v1.sample.logits_processor", "BatchUpdate"),
     ("vllm.v1.sample.logits_processor", "MoveDirectionality"),
+    ("vllm.v1.engine", "EngineCoreOutput.kv_transfer_params"),
+    ("vllm.outputs", "RequestOutput"),
+    ("vllm.v1.metrics.stats", "SchedulerStats"),
+    ("vllm.entrypoints.serve.engine.protocol", "UsageInfo"),
 )
 
 
@@ -187,6 +254,10 @@ STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("num_computed_tokens", "num_in_flight_tokens", "is_prefill_chunk", "num_prompt_tokens"),
     ),
 )
+
+# The module whose presence means "this process serves vLLM's OpenAI API" (imported by the
+# `vllm serve` entry point before plugins load; never by EngineCore or worker processes).
+API_SERVER_MODULE = "vllm.entrypoints.launchers.app"
 
 
 class IncompatibleVllmError(RuntimeError):
@@ -281,12 +352,20 @@ def validate_request(vllm_config, engine_request) -> None:
             params.extra_args, num_prompt, vllm_config.model_config.max_model_len
         )
     except KvOptionsError as exc:
+        _count_rejection(exc.field)
         raise VLLMValidationError(str(exc), parameter=exc.field, value=exc.value) from exc
     if options is None:
         return
     reason = unsupported_reason(vllm_config)
     if reason is not None:
+        _count_rejection("kv_budget")
         raise VLLMValidationError(reason, parameter="kv_budget", value=options.budget)
+
+
+def _count_rejection(field: str) -> None:
+    from obcache_vllm.vllm_ext.stats import count_rejection
+
+    count_rejection(field)
 
 
 def _wrap_process_inputs(original):
@@ -323,9 +402,29 @@ def _patch_method(owner, name: str, wrapper) -> None:
     setattr(owner, name, wrapper(current))
 
 
+def install_api_server() -> None:
+    """The patches of the process serving the OpenAI API (idempotent); see the module docstring.
+
+    Raises:
+        obcache_vllm.config.ConfigError: the server-wide kv_* defaults are invalid.
+    """
+    from vllm.v1.engine import async_llm
+
+    from obcache_vllm.vllm_ext.server import install_server
+    from obcache_vllm.vllm_ext.stats import stat_logger_factories
+
+    install_server()
+    _patch_method(async_llm, "load_stat_logger_plugin_factories", stat_logger_factories)
+
+
 def install() -> None:
     """Check compatibility, then apply every patch (idempotent, process-local)."""
     check_compatibility()
+    from obcache_vllm.vllm_ext.stats import install_scheduler_stats_field
+
+    install_scheduler_stats_field()
+    if API_SERVER_MODULE in sys.modules:
+        install_api_server()
     from vllm.config.scheduler import SchedulerConfig
     from vllm.platforms import current_platform
     from vllm.v1.engine.input_processor import InputProcessor

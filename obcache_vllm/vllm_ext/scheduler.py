@@ -17,6 +17,16 @@
 * ``_preempt_request``: the request's KV is recomputed from scratch; reset its eviction state.
 * ``_free_request``: drop the state (all blocks go back through vLLM's normal path).
 
+Reporting (read by the API server, see :mod:`obcache_vllm.vllm_ext.server` and ``.stats``):
+
+* every ``EngineCoreOutput`` of a budgeted request carries the request's KV outcome so far in
+  ``kv_transfer_params`` as ``{"obcache": {...}}`` (:data:`OUTCOME_KEY`). That field passes
+  from EngineCore to the front-end's ``RequestOutput`` untouched; budgeted requests are refused
+  when a KV connector is configured, so it has no other user for them.
+* ``make_stats`` adds ``SchedulerStats.obcache`` (a field the plugin injects, see
+  :func:`obcache_vllm.vllm_ext.stats.install_scheduler_stats_field`): cumulative counters per
+  (scorer, pipeline), plus the eviction timings and finished requests since the last stats.
+
 Block accounting is decided here alone; the worker only chooses which tokens survive.
 """
 
@@ -30,9 +40,18 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from obcache_vllm.options import KvOptions, parse_validated_kv_options
-from obcache_vllm.planning import ORDERS_ATTR, REPORT_ATTR, plan_eviction
+from obcache_vllm.planning import (
+    ORDERS_ATTR,
+    OUTCOME_KEY,
+    REPORT_ATTR,
+    STATS_ATTR,
+    plan_eviction,
+)
 
 logger = logging.getLogger(__name__)
+
+# Bound on what waits for the next make_stats (it runs every step when stats are on).
+_PENDING_MAX = 4096
 
 
 @dataclass
@@ -47,6 +66,21 @@ class SchedKvState:
     evictions: int = 0
     tokens_evicted: int = 0
     blocks_freed: int = 0
+    # Prompt tokens left after the prefill eviction (None: not evicted at prefill).
+    kept_prompt: int | None = None
+
+    def outcome(self, resident: int) -> dict:
+        """The request's KV outcome as reported to the client (``usage.obcache``)."""
+        return {
+            "resident_tokens": resident,
+            "evicted_tokens": self.tokens_evicted,
+            "freed_blocks": self.blocks_freed,
+            "evictions": self.evictions,
+            "prompt_tokens_kept": self.prompt_len if self.kept_prompt is None else self.kept_prompt,
+            "budget": self.options.budget,
+            "scorer": self.options.scorer,
+            "pipeline": self.options.pipeline,
+        }
 
 
 @dataclass(frozen=True)
@@ -57,6 +91,11 @@ class FinishedKvRecord:
     resident_tokens: int
     tokens_evicted: int
     evictions: int
+    prompt_len: int = 0
+    kept_prompt: int = 0
+    blocks_freed: int = 0
+    scorer: str = ""
+    pipeline: str = ""
 
 
 @dataclass
@@ -77,6 +116,13 @@ class OBCacheScheduler(Scheduler):
         self.obcache_totals = SchedulerEvictionTotals()
         # Finished requests' final resident counts, drained by whoever reports them.
         self.obcache_finished: deque[FinishedKvRecord] = deque(maxlen=4096)
+        # Cumulative (tokens evicted, blocks freed, evictions) per (scorer, pipeline).
+        self.obcache_by_option: dict[tuple[str, str], list[int]] = {}
+        # Drained by make_stats: eviction seconds per step, finished requests.
+        self._obcache_pending_seconds: deque[float] = deque(maxlen=_PENDING_MAX)
+        self._obcache_pending_finished: deque[FinishedKvRecord] = deque(maxlen=_PENDING_MAX)
+        # Outcomes of budgeted requests freed during the current update_from_output.
+        self._obcache_step_outcomes: dict[str, dict] = {}
         coordinator = self.kv_cache_manager.coordinator
         cache_blocks = coordinator.cache_blocks
 
@@ -170,6 +216,9 @@ class OBCacheScheduler(Scheduler):
         applied = set(report.applied) if report is not None else set()
         if report is not None:
             self.obcache_totals.scoring_seconds += report.seconds
+            if report.applied:
+                self._obcache_pending_seconds.append(report.seconds)
+        self._obcache_step_outcomes = {}
         for req_id, order in orders.items():
             state = self.obcache_states.get(req_id)
             request = self.requests.get(req_id)
@@ -187,6 +236,9 @@ class OBCacheScheduler(Scheduler):
             self._obcache_manager._remove_blocks_in_range(
                 req_id, order.dead_before, order.dead_after
             )
+            if state.evictions == 0 and order.logical_len <= state.prompt_len:
+                # The prefill eviction; with kv_compress_at the rest of the prompt is kept.
+                state.kept_prompt = order.kept + state.prompt_len - order.logical_len
             state.dead = order.dead_after
             state.evictions += 1
             state.tokens_evicted += order.tokens_evicted
@@ -195,7 +247,53 @@ class OBCacheScheduler(Scheduler):
             totals.evictions += 1
             totals.tokens_evicted += order.tokens_evicted
             totals.blocks_freed += order.blocks_freed
-        return super().update_from_output(scheduler_output, model_runner_output)
+            key = (state.options.scorer, state.options.pipeline)
+            per_option = self.obcache_by_option.setdefault(key, [0, 0, 0])
+            per_option[0] += order.tokens_evicted
+            per_option[1] += order.blocks_freed
+            per_option[2] += 1
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.obcache_states or self._obcache_step_outcomes:
+            self._attach_outcomes(outputs)
+        return outputs
+
+    def _attach_outcomes(self, outputs) -> None:
+        """Put each budgeted request's KV outcome on its output (see the module docstring)."""
+        finished = self._obcache_step_outcomes
+        for eco in outputs.values():
+            for out in eco.outputs:
+                if out.kv_transfer_params is not None:
+                    continue
+                req_id = out.request_id
+                outcome = finished.get(req_id)
+                if outcome is None:
+                    resident = self.obcache_resident_tokens(req_id)
+                    if resident is None:
+                        continue
+                    outcome = self.obcache_states[req_id].outcome(resident)
+                out.kv_transfer_params = {OUTCOME_KEY: outcome}
+        self._obcache_step_outcomes = {}
+
+    def make_stats(self, *args, **kwargs):
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None:
+            seconds = list(self._obcache_pending_seconds)
+            finished = [
+                [r.resident_tokens, r.kept_prompt, r.prompt_len]
+                for r in self._obcache_pending_finished
+            ]
+            self._obcache_pending_seconds.clear()
+            self._obcache_pending_finished.clear()
+            setattr(
+                stats,
+                STATS_ATTR,
+                {
+                    "by_option": [[s, p, *v] for (s, p), v in self.obcache_by_option.items()],
+                    "seconds": seconds,
+                    "finished": finished,
+                },
+            )
+        return stats
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
         super()._preempt_request(request, *args, **kwargs)
@@ -203,16 +301,26 @@ class OBCacheScheduler(Scheduler):
         if state is not None:
             state.dead = 0
             state.compressed = False
+            state.kept_prompt = None
 
     def _free_request(self, request, *args, **kwargs):
         state = self.obcache_states.pop(request.request_id, None)
         if state is not None:
             resident = request.num_computed_tokens - state.dead * self.block_size
-            self.obcache_finished.append(
-                FinishedKvRecord(
-                    request.request_id, resident, state.tokens_evicted, state.evictions
-                )
+            record = FinishedKvRecord(
+                request.request_id,
+                resident,
+                state.tokens_evicted,
+                state.evictions,
+                prompt_len=state.prompt_len,
+                kept_prompt=state.prompt_len if state.kept_prompt is None else state.kept_prompt,
+                blocks_freed=state.blocks_freed,
+                scorer=state.options.scorer,
+                pipeline=state.options.pipeline,
             )
+            self.obcache_finished.append(record)
+            self._obcache_pending_finished.append(record)
+            self._obcache_step_outcomes[request.request_id] = state.outcome(resident)
         return super()._free_request(request, *args, **kwargs)
 
     def obcache_resident_tokens(self, req_id: str) -> int | None:

@@ -103,3 +103,50 @@ def test_bad_options_are_rejected_before_the_engine_and_it_keeps_serving(engine,
     ok = engine.llm.generate(["Hello there"], SamplingParams(max_tokens=2, temperature=0),
                              use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 2
+
+
+def test_api_server_install_is_idempotent_and_wraps_each_seam_once():
+    from vllm.entrypoints.launchers import app as app_module
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.v1.engine import async_llm
+
+    def patched():
+        return (
+            ChatCompletionRequest.to_sampling_params,
+            CompletionRequest.to_sampling_params,
+            OpenAIServingChat.chat_completion_full_generator,
+            OpenAIServingChat.chat_completion_stream_generator,
+            OpenAIServingCompletion.completion_stream_generator,
+            OpenAIServingCompletion.request_output_to_completion_response,
+            app_module.register_api_routers,
+            async_llm.load_stat_logger_plugin_factories,
+        )
+
+    inst.install_api_server()
+    first = patched()
+    inst.install_api_server()
+    assert patched() == first
+    for fn in first:
+        assert getattr(fn, "__obcache_wrapped__", False), fn
+        assert not getattr(fn.__wrapped__, "__obcache_wrapped__", False), f"{fn} wrapped twice"
+    from obcache_vllm.vllm_ext.stats import OBCachePrometheusStatLogger
+
+    factories = async_llm.load_stat_logger_plugin_factories()
+    assert factories.count(OBCachePrometheusStatLogger) == 1
+
+
+def test_scheduler_stats_carry_the_obcache_field_through_msgspec():
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    inst.install()
+    stats = SchedulerStats()
+    assert stats.obcache is None
+    stats.obcache = {"by_option": [["obcache_key", "snapkv", 64, 2, 1]], "seconds": [0.01]}
+    wire = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(wire)
+    assert decoded.scheduler_stats.obcache == stats.obcache

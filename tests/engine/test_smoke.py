@@ -1,27 +1,18 @@
 """Smoke tests on the real model: the session engine, and the README's server in its real topology.
 
 The session's `llm` (tests/engine/conftest.py) runs EngineCore and worker inside pytest. The
-server fixture below runs `obcache-vllm serve` as a user does, with vLLM's normal processes
-(API server -> EngineCore -> worker), so the plugin is checked in every one of them.
+session's `server` fixture (tests/conftest.py) runs `obcache-vllm serve` as a user does, with
+vLLM's normal processes (API server -> EngineCore -> worker), so the plugin is checked in every
+one of them.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from obcache_vllm.plugin import TRACE_ENV
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -94,64 +85,12 @@ def test_vllm_plugins_filter_switches_the_plugin(plugins, loaded, monkeypatch) -
 # --- The README's server: `obcache-vllm serve` on the default model -----------------------------
 
 
-@dataclass(frozen=True)
-class Server:
-    url: str
-    pid: int
-    trace: Path
-    log: Path
-
-
-@pytest.fixture(scope="module")
-def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """`obcache-vllm serve` in its own process group; stopped (SIGINT, then SIGKILL) afterwards."""
-    workdir = tmp_path_factory.mktemp("server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ)
-    # The production topology and settings, whatever the in-process test engine asked for.
-    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OBCACHE_VLLM_RECORD_KEEP"):
-        env.pop(key, None)
-    env[TRACE_ENV] = str(workdir / "trace.txt")
-    script = Path(sys.executable).parent / "obcache-vllm"
-    cmd = [str(script), "serve", "--port", str(port), "--max-model-len", "4096"]
-    log_path = workdir / "server.log"
-    log = open(log_path, "w")  # a file, not a pipe: nobody would drain a pipe while it runs
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    server = Server(f"http://127.0.0.1:{port}", proc.pid, Path(env[TRACE_ENV]), log_path)
-    try:
-        deadline = time.monotonic() + 480
-        while not _healthy(server.url):
-            if proc.poll() is not None:
-                pytest.fail(f"server exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not up in 480 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
-        yield server
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+# The session's `server` fixture (tests/conftest.py, tests/serverproc.py) is shared with
+# tests/server: one server start per session.
 
 
 @pytest.mark.server
-def test_server_answers_chat_on_the_default_model(server: Server) -> None:
+def test_server_answers_chat_on_the_default_model(server) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
@@ -163,7 +102,7 @@ def test_server_answers_chat_on_the_default_model(server: Server) -> None:
 
 
 @pytest.mark.server
-def test_plugin_registered_once_in_every_server_process(server: Server) -> None:
+def test_plugin_registered_once_in_every_server_process(server) -> None:
     """API server, EngineCore and worker each load the plugin exactly once."""
     from openai import OpenAI
 

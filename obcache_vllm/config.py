@@ -1,0 +1,141 @@
+"""Server-wide defaults of the kv_* request options: a YAML file plus environment variables.
+
+Sources, later wins:
+
+1. the built-in defaults (:data:`BUILTIN_DEFAULTS`, the values of :mod:`obcache_vllm.options`);
+2. the YAML file ``$OBCACHE_VLLM_CONFIG`` if set, else ``configs/default.yaml`` of the source
+   tree when present (an installed wheel has none and uses 1.);
+3. one environment variable per option: ``OBCACHE_KV_BUDGET``, ``OBCACHE_KV_SCORER``, ...
+   (values are parsed as YAML scalars: ``0.25`` is a float, ``true`` a boolean, ``null`` none).
+
+Validated once, at server start (:func:`load_defaults` raises :class:`ConfigError` naming the
+source and the key). A request field always overrides its default (:func:`merge_request`).
+Plain Python: no vLLM import.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from obcache_vllm import options
+
+CONFIG_ENV = "OBCACHE_VLLM_CONFIG"
+ENV_PREFIX = "OBCACHE_KV_"
+SOURCE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "kv_budget": None,
+    "kv_scorer": options.DEFAULT_SCORER,
+    "kv_pipeline": options.DEFAULT_PIPELINE,
+    "kv_window": options.DEFAULT_WINDOW,
+    "kv_recent": options.DEFAULT_RECENT,
+    "kv_sinks": options.DEFAULT_SINKS,
+    "kv_decode": False,
+    "kv_compress_at": None,  # a prompt position: per request only
+}
+assert tuple(BUILTIN_DEFAULTS) == options.WIRE_FIELDS
+# Options that depend on the request's own prompt: no server-wide default.
+PER_REQUEST_ONLY = ("kv_compress_at",)
+
+
+class ConfigError(ValueError):
+    """The server-wide kv_* defaults are invalid; the message names the source and key."""
+
+
+def env_name(field: str) -> str:
+    """``kv_budget`` -> ``OBCACHE_KV_BUDGET``."""
+    return ENV_PREFIX + field.removeprefix("kv_").upper()
+
+
+def config_path(environ: Mapping[str, str]) -> Path | None:
+    """The YAML file in effect, or None (built-in defaults only)."""
+    explicit = environ.get(CONFIG_ENV)
+    if explicit:
+        return Path(explicit)
+    return SOURCE_CONFIG if SOURCE_CONFIG.is_file() else None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{CONFIG_ENV}: cannot read {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of kv_* options, got {type(data).__name__}")
+    return data
+
+
+def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
+    """Raise :class:`ConfigError` unless ``defaults`` are valid kv_* defaults.
+
+    The same parser as requests' (:func:`obcache_vllm.options.parse_kv_options`). Without a
+    default budget the other options are checked against a stand-in budget; a fractional budget
+    is checked against a long prompt (its value for short prompts is checked per request).
+    """
+    unknown = sorted(set(defaults) - set(options.WIRE_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key {unknown[0]!r}; known: {', '.join(options.WIRE_FIELDS)}"
+        )
+    fixed = [k for k in PER_REQUEST_ONLY if defaults.get(k) is not None]
+    if fixed:
+        raise ConfigError(f"{source}: {fixed[0]} is a per-request option (a prompt position)")
+    probe = {k: v for k, v in defaults.items() if v is not None}
+    probe.setdefault("kv_budget", 1 << 20)
+    try:
+        options.parse_kv_options(probe, num_prompt_tokens=1 << 20)
+    except options.KvOptionsError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+
+
+def load_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The validated server-wide defaults (every wire field; ``None`` = no default)."""
+    import yaml
+
+    environ = os.environ if environ is None else environ
+    defaults = dict(BUILTIN_DEFAULTS)
+    path = config_path(environ)
+    if path is not None:
+        from_file = _read_yaml(path)
+        validate_defaults(from_file, str(path))
+        defaults.update(from_file)
+    from_env: dict[str, Any] = {}
+    for field in options.WIRE_FIELDS:
+        raw = environ.get(env_name(field))
+        if raw is None:
+            continue
+        try:
+            from_env[field] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{env_name(field)}: cannot parse {raw!r}: {exc}") from exc
+    for field, value in from_env.items():
+        validate_defaults({field: value}, env_name(field))
+    defaults.update(from_env)
+    validate_defaults(defaults, "kv_* defaults (file + environment)")
+    return defaults
+
+
+def merge_request(defaults: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[str, Any]:
+    """The kv_* options of one request: its own fields over the server defaults.
+
+    ``requested`` holds the request's kv_* fields (``vllm_xargs`` and top-level, already merged).
+    A request whose budget (its own, else the default) is ``None`` gets no defaults: it stays a
+    stock request, and any other kv_* field it set is reported by validation as needing a
+    budget. ``"kv_budget": null`` in a request therefore opts out of a default budget.
+    """
+    budget = requested["kv_budget"] if "kv_budget" in requested else defaults.get("kv_budget")
+    if budget is None:
+        return {k: v for k, v in requested.items() if k != "kv_budget"}
+    merged = {k: v for k, v in defaults.items() if v is not None}
+    merged.update(requested)
+    merged["kv_budget"] = budget
+    return merged

@@ -1,0 +1,85 @@
+"""The Prometheus metrics obcache-vllm adds to vLLM's ``/metrics``: names, help, labels, buckets.
+
+The single definition of every metric (the README table is checked against it by
+``tests/unit/test_metrics_table.py``). The vLLM adapter that creates and feeds them lives in
+:mod:`obcache_vllm.vllm_ext.stats`. No vLLM import.
+
+Counters are declared without the ``_total`` suffix, as ``prometheus_client`` expects; the
+exposed sample name is :meth:`MetricSpec.exposed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str  # "counter" | "histogram"
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def exposed(self) -> str:
+        """The sample name at ``/metrics`` (counters get ``_total``, histograms ``_bucket``...)."""
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+
+EVICTED_TOKENS = MetricSpec(
+    "vllm:obcache_evicted_tokens",
+    "counter",
+    "KV tokens evicted (per layer and KV head) by obcache-vllm, by scorer and pipeline.",
+    ("scorer", "pipeline"),
+)
+FREED_BLOCKS = MetricSpec(
+    "vllm:obcache_freed_blocks",
+    "counter",
+    "KV-cache blocks returned to vLLM's pool by eviction, by scorer and pipeline.",
+    ("scorer", "pipeline"),
+)
+EVICTION_EVENTS = MetricSpec(
+    "vllm:obcache_eviction_events",
+    "counter",
+    "Evictions applied (one per request per prefill or decode eviction), by scorer and pipeline.",
+    ("scorer", "pipeline"),
+)
+EVICTION_SECONDS = MetricSpec(
+    "vllm:obcache_eviction_seconds",
+    "histogram",
+    "Worker time spent scoring and compacting KV per engine step that evicted (seconds).",
+    (),
+    (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+RESIDENT_TOKENS = MetricSpec(
+    "vllm:obcache_resident_tokens",
+    "histogram",
+    "KV tokens resident (per layer and KV head) when a budgeted request finished.",
+    (),
+    (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+)
+KEPT_RATIO = MetricSpec(
+    "vllm:obcache_kept_prompt_ratio",
+    "histogram",
+    "Prompt tokens kept by prefill eviction divided by prompt tokens, per finished budgeted "
+    "request.",
+    (),
+    (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+)
+REJECTED_REQUESTS = MetricSpec(
+    "vllm:obcache_rejected_requests",
+    "counter",
+    "Requests rejected (HTTP 400) for an invalid kv_* option, by the offending field.",
+    ("field",),
+)
+
+METRICS: tuple[MetricSpec, ...] = (
+    EVICTED_TOKENS,
+    FREED_BLOCKS,
+    EVICTION_EVENTS,
+    EVICTION_SECONDS,
+    RESIDENT_TOKENS,
+    KEPT_RATIO,
+    REJECTED_REQUESTS,
+)

@@ -1,0 +1,132 @@
+"""obcache-vllm's metrics at vLLM's ``/metrics`` (API-server process), fed from EngineCore.
+
+Path (every metric is defined in :mod:`obcache_vllm.metrics`):
+
+1. EngineCore: ``OBCacheScheduler.make_stats`` sets ``SchedulerStats.obcache``, a field that
+   :func:`install_scheduler_stats_field` adds to vLLM's ``SchedulerStats`` dataclass in every
+   process (the plugin runs before the first stats are encoded or decoded), so msgspec carries it
+   to the front-end with the rest of the stats.
+2. Front-end: :class:`OBCachePrometheusStatLogger` subclasses vLLM's ``PrometheusStatLogger``.
+   vLLM's ``StatLoggerManager`` then uses it *instead of* the stock Prometheus logger (every
+   stock ``vllm:`` metric is kept: ``super().__init__``/``super().record``), and our metrics are
+   created after the stock constructor unregistered every ``vllm:`` collector. It is registered
+   as the ``vllm.stat_logger_plugins`` entry point ``obcache``; :func:`stat_logger_factories`
+   also adds it where that entry point is not installed (e.g. a source checkout).
+3. Rejections happen in the API server's input processing: :func:`count_rejection` increments
+   the counter of the live logger (a no-op without one, e.g. the offline ``LLM``).
+
+Counters are fed by deltas of EngineCore's cumulative totals, so a lost stats message loses no
+count; histograms by the drained per-step lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+from obcache_vllm import metrics
+from obcache_vllm.planning import STATS_ATTR
+
+logger = logging.getLogger(__name__)
+
+_live_rejections = None  # the rejected-requests Counter of the live logger, if any
+
+
+def install_scheduler_stats_field() -> None:
+    """Add ``obcache: dict | None = None`` to vLLM's ``SchedulerStats`` (idempotent).
+
+    A dataclass field added after class creation: ``__dataclass_fields__`` (what msgspec
+    encodes and decodes), ``__annotations__`` and a class-level default (instances built
+    without it read ``None``). Must run before any ``SchedulerStats`` is encoded or decoded in
+    the process; the general plugin does it at load.
+    """
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    if STATS_ATTR in SchedulerStats.__dataclass_fields__:
+        return
+    field = dataclasses.field(default=None)
+    field.name = STATS_ATTR
+    field.type = dict[str, Any] | None
+    field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+    SchedulerStats.__dataclass_fields__[STATS_ATTR] = field
+    SchedulerStats.__annotations__[STATS_ATTR] = dict[str, Any] | None
+    setattr(SchedulerStats, STATS_ATTR, None)
+
+
+def _make(spec: metrics.MetricSpec):
+    from prometheus_client import Counter, Histogram
+
+    if spec.kind == "counter":
+        return Counter(spec.name, spec.help, labelnames=list(spec.labels))
+    if spec.kind == "histogram":
+        return Histogram(spec.name, spec.help, labelnames=list(spec.labels), buckets=spec.buckets)
+    raise ValueError(f"unknown metric kind {spec.kind!r}")
+
+
+class OBCachePrometheusStatLogger(PrometheusStatLogger):
+    """vLLM's Prometheus logger plus the obcache metrics (see the module docstring)."""
+
+    def __init__(self, vllm_config, engine_indexes: list[int] | None = None) -> None:
+        global _live_rejections
+        super().__init__(vllm_config, engine_indexes)
+        made = {spec.name: _make(spec) for spec in metrics.METRICS}
+        self.obcache_evicted = made[metrics.EVICTED_TOKENS.name]
+        self.obcache_freed = made[metrics.FREED_BLOCKS.name]
+        self.obcache_events = made[metrics.EVICTION_EVENTS.name]
+        self.obcache_seconds = made[metrics.EVICTION_SECONDS.name]
+        self.obcache_resident = made[metrics.RESIDENT_TOKENS.name]
+        self.obcache_kept_ratio = made[metrics.KEPT_RATIO.name]
+        self.obcache_rejected = made[metrics.REJECTED_REQUESTS.name]
+        # Last cumulative totals seen per engine and (scorer, pipeline).
+        self._obcache_seen: dict[tuple[int, str, str], tuple[int, int, int]] = {}
+        _live_rejections = self.obcache_rejected
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        super().record(
+            scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx
+        )
+        payload = getattr(scheduler_stats, STATS_ATTR, None) if scheduler_stats else None
+        if payload:
+            self._record_obcache(payload, engine_idx or 0)
+
+    def _record_obcache(self, payload: dict, engine_idx: int) -> None:
+        for scorer, pipeline, tokens, blocks, events in payload.get("by_option", ()):
+            key = (engine_idx, scorer, pipeline)
+            seen = self._obcache_seen.get(key, (0, 0, 0))
+            now = (tokens, blocks, events)
+            self._obcache_seen[key] = now
+            counters = (self.obcache_evicted, self.obcache_freed, self.obcache_events)
+            for counter, new, old in zip(counters, now, seen, strict=True):
+                if new > old:
+                    counter.labels(scorer=scorer, pipeline=pipeline).inc(new - old)
+        for seconds in payload.get("seconds", ()):
+            self.obcache_seconds.observe(seconds)
+        for resident, kept_prompt, prompt_len in payload.get("finished", ()):
+            self.obcache_resident.observe(resident)
+            if prompt_len > 0:
+                self.obcache_kept_ratio.observe(kept_prompt / prompt_len)
+
+
+def count_rejection(field: str) -> None:
+    """Count one request rejected for the kv_* option ``field`` (no-op without a live logger)."""
+    if _live_rejections is not None:
+        _live_rejections.labels(field=field).inc()
+
+
+def stat_logger_factories(original):
+    """Wrap vLLM's ``load_stat_logger_plugin_factories``: ensure our logger is in the list once."""
+
+    def load_stat_logger_plugin_factories():
+        factories = list(original())
+        if not any(
+            isinstance(f, type) and issubclass(f, OBCachePrometheusStatLogger) for f in factories
+        ):
+            factories.append(OBCachePrometheusStatLogger)
+        return factories
+
+    load_stat_logger_plugin_factories.__obcache_wrapped__ = True
+    load_stat_logger_plugin_factories.__wrapped__ = original
+    return load_stat_logger_plugin_factories

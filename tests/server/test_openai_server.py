@@ -1,0 +1,369 @@
+"""The OpenAI-compatible server with per-request KV budgets, through the official `openai` client.
+
+One real `obcache-vllm serve` process on 127.0.0.1 for the whole session (`server`, see
+tests/conftest.py and tests/serverproc.py), plus one stock-vLLM server (`VLLM_PLUGINS=`) for the
+identity test. Every timeout is generous: the development machine runs this on one loaded core.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from serverproc import MODEL_NAME, POOL_BLOCKS, Metrics, Server
+
+from obcache_vllm import metrics as M
+from obcache_vllm.textgen import haystack
+
+BLOCK = 32
+CLIENT_TIMEOUT_S = 300
+
+
+def _client(server: Server):
+    from openai import OpenAI
+
+    return OpenAI(
+        base_url=server.base_url, api_key="unused", timeout=CLIENT_TIMEOUT_S, max_retries=0
+    )
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _long_text(num_sentences: int, seed: int) -> str:
+    return haystack(num_sentences, seed) + "\nSummarize the trade records above in one sentence."
+
+
+def _eventually(check, timeout_s: float = 30.0, every_s: float = 0.25):
+    """``check()`` until it returns a truthy value (returned) or the time is up (last value)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every_s)
+
+
+def _obcache_usage(usage) -> dict:
+    extra = usage.model_extra or {}
+    assert "obcache" in extra, usage
+    return extra["obcache"]
+
+
+def _counters(m: Metrics, scorer: str, pipeline: str) -> tuple[float, float, float]:
+    labels = {"scorer": scorer, "pipeline": pipeline}
+    return (
+        m.value(M.EVICTED_TOKENS.exposed, **labels),
+        m.value(M.FREED_BLOCKS.exposed, **labels),
+        m.value(M.EVICTION_EVENTS.exposed, **labels),
+    )
+
+
+def _idle(server: Server) -> Metrics | None:
+    """/metrics once nothing runs and no block is held (None if that does not happen)."""
+
+    def check():
+        m = server.metrics()
+        running = m.value("vllm:num_requests_running") + m.value("vllm:num_requests_waiting")
+        return m if running == 0 and m.value("vllm:kv_cache_usage_perc") == 0 else None
+
+    return _eventually(check, timeout_s=60)
+
+
+# --- GET /v1/obcache/config ----------------------------------------------------------------
+
+
+def test_config_endpoint_lists_scorers_pipelines_and_defaults(server: Server) -> None:
+    from obcache_vllm.config import BUILTIN_DEFAULTS
+    from obcache_vllm.scoring import PIPELINE_NAMES, SCORER_NAMES
+
+    doc = server.get_json("/v1/obcache/config")
+    assert doc["scorers"] == list(SCORER_NAMES)
+    assert doc["pipelines"] == list(PIPELINE_NAMES)
+    # The test server runs with configs/default.yaml, which holds the built-in defaults.
+    assert doc["defaults"] == BUILTIN_DEFAULTS
+    assert doc["usage_field"] == "usage.obcache"
+
+
+# --- A budgeted request: usage.obcache and the metrics -------------------------------------
+
+
+def test_budgeted_chat_reports_kv_outcome_and_metrics_move_by_exactly_that(server: Server) -> None:
+    budget, scorer, pipeline = 64, "obcache_value", "h2o"  # labels no other test uses
+    before = _idle(server)
+    assert before is not None, "server not idle"
+    reply = _client(server).chat.completions.create(
+        model=MODEL_NAME,
+        messages=_chat(_long_text(14, seed=1)),
+        temperature=0,
+        max_tokens=8,
+        extra_body={"kv_budget": budget, "kv_scorer": scorer, "kv_pipeline": pipeline},
+    )
+    assert reply.choices[0].message.content
+    usage = reply.usage
+    kv = _obcache_usage(usage)
+    assert (kv["budget"], kv["scorer"], kv["pipeline"]) == (budget, scorer, pipeline)
+    # Budget rule: whole blocks are freed, so budget <= kept < budget + block size.
+    assert budget <= kv["prompt_tokens_kept"] < budget + BLOCK, kv
+    assert kv["evicted_tokens"] == usage.prompt_tokens - kv["prompt_tokens_kept"]
+    assert kv["freed_blocks"] == kv["evicted_tokens"] // BLOCK and kv["evictions"] == 1
+    # Resident at the end: the kept prompt plus every generated token but the last (its KV is
+    # never computed).
+    assert kv["resident_tokens"] == kv["prompt_tokens_kept"] + usage.completion_tokens - 1
+
+    def moved():
+        after = server.metrics()
+        delta = [
+            a - b
+            for a, b in zip(
+                _counters(after, scorer, pipeline), _counters(before, scorer, pipeline), strict=True
+            )
+        ]
+        finished = after.value(f"{M.RESIDENT_TOKENS.name}_count") - before.value(
+            f"{M.RESIDENT_TOKENS.name}_count"
+        )
+        return (after, delta) if finished >= 1 else None
+
+    result = _eventually(moved)
+    assert result is not None, "the finished request never reached /metrics"
+    after, delta = result
+    assert delta == [kv["evicted_tokens"], kv["freed_blocks"], kv["evictions"]]
+    count = f"{M.RESIDENT_TOKENS.name}_count"
+    total = f"{M.RESIDENT_TOKENS.name}_sum"
+    assert after.value(count) - before.value(count) == 1
+    assert after.value(total) - before.value(total) == kv["resident_tokens"]
+    ratio_sum = f"{M.KEPT_RATIO.name}_sum"
+    assert math.isclose(
+        after.value(ratio_sum) - before.value(ratio_sum),
+        kv["prompt_tokens_kept"] / usage.prompt_tokens,
+        rel_tol=1e-6,
+    )
+    seconds = f"{M.EVICTION_SECONDS.name}_count"
+    assert after.value(seconds) - before.value(seconds) >= 1
+    # Every stock metric is still there.
+    for name in (
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:prompt_tokens_total",
+    ):
+        assert name in after.names(), name
+
+
+def test_completions_fields_in_vllm_xargs_and_top_level_override(server: Server) -> None:
+    reply = _client(server).completions.create(
+        model=MODEL_NAME,
+        prompt=_long_text(8, seed=2),
+        temperature=0,
+        max_tokens=4,
+        extra_body={
+            "vllm_xargs": {"kv_budget": 48, "kv_scorer": "random", "kv_pipeline": "snapkv"},
+            "kv_scorer": "key_norm",  # a top-level field overrides vllm_xargs
+        },
+    )
+    kv = _obcache_usage(reply.usage)
+    assert (kv["budget"], kv["scorer"], kv["pipeline"]) == (48, "key_norm", "snapkv")
+    assert 48 <= kv["prompt_tokens_kept"] < 48 + BLOCK
+
+
+def test_request_without_budget_reports_nothing_and_ratio_budget_applies(server: Server) -> None:
+    client = _client(server)
+    plain = client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", temperature=0, max_tokens=4
+    )
+    assert "obcache" not in (plain.usage.model_extra or {})
+    ratio = client.completions.create(
+        model=MODEL_NAME,
+        prompt=_long_text(8, seed=3),
+        temperature=0,
+        max_tokens=2,
+        extra_body={"kv_budget": 0.5},
+    )
+    kv = _obcache_usage(ratio.usage)
+    assert kv["budget"] == math.ceil(0.5 * ratio.usage.prompt_tokens)
+
+
+# --- Bad inputs: HTTP 400 naming the field, nothing allocated, server keeps serving -------
+
+BAD_INPUTS = [
+    pytest.param({"kv_budget": 64, "kv_scorer": "magic"}, "kv_scorer", id="unknown-scorer"),
+    pytest.param({"kv_budget": 64, "kv_pipeline": "magic"}, "kv_pipeline", id="unknown-pipeline"),
+    pytest.param({"kv_budget": 0}, "kv_budget", id="budget-zero"),
+    pytest.param({"kv_budget": -8}, "kv_budget", id="budget-negative"),
+    pytest.param({"kv_budget": float("nan")}, "kv_budget", id="budget-nan"),
+    pytest.param({"kv_budget": "64"}, "kv_budget", id="budget-string"),
+    pytest.param({"kv_budget": 1.5}, "kv_budget", id="ratio-above-one"),
+    pytest.param({"kv_budget": [64]}, "kv_budget", id="budget-list"),
+    pytest.param({"kv_budget": 64, "kv_window": 0}, "kv_window", id="window-zero"),
+    pytest.param({"kv_budget": 64, "kv_window": "8"}, "kv_window", id="window-string"),
+    pytest.param({"kv_budget": 20, "kv_sinks": 4, "kv_recent": 16}, "kv_budget", id="sinks+recent"),
+    pytest.param({"kv_budget": 64, "kv_decode": "maybe"}, "kv_decode", id="decode-type"),
+    pytest.param({"kv_budget": 64, "kv_sinks": {"a": 1}}, "kv_sinks", id="sinks-object"),
+    pytest.param({"kv_budget": 64, "kv_foo": 1}, "kv_foo", id="unknown-field"),
+    pytest.param({"kv_scorer": "obcache_key"}, "kv_scorer", id="option-without-budget"),
+    pytest.param({"kv_budget": 99999}, "kv_budget", id="beyond-context"),
+    pytest.param({"vllm_xargs": {"kv_budget": -1}}, "kv_budget", id="in-vllm_xargs"),
+]
+
+
+def _send_bad(server: Server, endpoint: str, fields: dict) -> tuple[int, str]:
+    """(HTTP status, error message) of a request carrying ``fields``.
+
+    Through the `openai` client (``extra_body``), except for a NaN, which that client refuses to
+    encode: it goes as raw JSON (``NaN``, which Python's and the server's JSON parsers accept).
+    """
+    import openai
+
+    if any(isinstance(v, float) and math.isnan(v) for v in fields.values()):
+        path, body = (
+            ("/v1/chat/completions", {"messages": _chat("Hello")})
+            if endpoint == "chat"
+            else ("/v1/completions", {"prompt": "Hello"})
+        )
+        code, reply = server.post_json(
+            path, {"model": MODEL_NAME, "max_tokens": 2, **body, **fields}
+        )
+        return code, reply["error"]["message"]
+    client = _client(server)
+    try:
+        if endpoint == "chat":
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=_chat("Hello"), max_tokens=2, extra_body=fields
+            )
+        else:
+            client.completions.create(
+                model=MODEL_NAME, prompt="Hello", max_tokens=2, extra_body=fields
+            )
+    except openai.BadRequestError as exc:
+        return exc.status_code, exc.message
+    return 200, ""
+
+
+@pytest.mark.parametrize("fields, field", BAD_INPUTS)
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_bad_kv_option_is_400_naming_the_field(server: Server, fields, field, endpoint) -> None:
+    before = server.metrics().value(M.REJECTED_REQUESTS.exposed, field=field)
+    code, message = _send_bad(server, endpoint, fields)
+    assert code == 400, (code, message)
+    assert field in message, message
+    after = server.metrics()
+    assert after.value(M.REJECTED_REQUESTS.exposed, field=field) == before + 1
+    assert after.value("vllm:num_requests_running") == 0
+    assert after.value("vllm:kv_cache_usage_perc") == 0
+
+
+def test_bad_option_on_a_stream_is_400_before_streaming(server: Server) -> None:
+    code, body = server.post_json(
+        "/v1/chat/completions",
+        {
+            "model": MODEL_NAME,
+            "messages": _chat("Hello"),
+            "max_tokens": 2,
+            "stream": True,
+            "kv_budget": 64,
+            "kv_pipeline": "nope",
+        },
+    )
+    assert code == 400 and "kv_pipeline" in body["error"]["message"], body
+    assert body["error"]["param"] == "kv_pipeline"
+
+
+def test_normal_request_succeeds_after_rejections(server: Server) -> None:
+    reply = _client(server).chat.completions.create(
+        model=MODEL_NAME,
+        messages=_chat("What is the capital of France?"),
+        temperature=0,
+        max_tokens=16,
+        extra_body={"kv_budget": 64},
+    )
+    assert "Paris" in reply.choices[0].message.content
+
+
+# --- Streaming, disconnects, pool usage ----------------------------------------------------
+
+
+def test_streaming_with_budget_reports_usage_in_final_chunk(server: Server) -> None:
+    stream = _client(server).chat.completions.create(
+        model=MODEL_NAME,
+        messages=_chat(_long_text(8, seed=4)),
+        temperature=0,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"kv_budget": 96, "kv_pipeline": "tova"},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text and usage is not None
+    kv = _obcache_usage(usage)
+    assert kv["pipeline"] == "tova" and 96 <= kv["prompt_tokens_kept"] < 96 + BLOCK
+    assert kv["resident_tokens"] == kv["prompt_tokens_kept"] + usage.completion_tokens - 1
+
+
+def _usage_while_generating(server: Server, extra_body: dict) -> float:
+    """kv_cache_usage_perc seen mid-generation of a long prompt; then the client disconnects.
+
+    Checks that the disconnect leaves no request and no block behind.
+    """
+    stream = _client(server).chat.completions.create(
+        model=MODEL_NAME,
+        messages=_chat(_long_text(24, seed=5)),
+        temperature=0,
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True, **extra_body},
+    )
+    seen = 0
+    usage = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            seen += 1
+        if seen >= 3:
+            usage = server.metrics().value("vllm:kv_cache_usage_perc")
+            break
+    stream.close()  # the client goes away mid-stream
+    assert usage is not None
+    assert _idle(server) is not None, "blocks or requests left behind after the disconnect"
+    return usage
+
+
+def test_compressed_request_uses_less_of_the_pool_and_disconnect_frees_everything(
+    server: Server,
+) -> None:
+    assert _idle(server) is not None
+    compressed = _usage_while_generating(server, {"kv_budget": 64})
+    full = _usage_while_generating(server, {})
+    print(f"\nkv_cache_usage_perc mid-generation: kv_budget=64 {compressed:.4f}, none {full:.4f}")
+    # ~700 prompt tokens: ~23 of the 96 blocks without a budget, 3-4 with it.
+    assert full > 0.15, full
+    assert compressed < full / 3, (compressed, full)
+    assert compressed <= 6 / POOL_BLOCKS, compressed
+
+
+# --- Stock identity ------------------------------------------------------------------------
+
+
+def test_no_budget_gives_stock_vllm_text_through_the_server(
+    server: Server, stock_server: Server
+) -> None:
+    prompt = _long_text(6, seed=6)
+    outs = []
+    for srv in (server, stock_server):
+        client = _client(srv)
+        chat = client.chat.completions.create(
+            model=MODEL_NAME, messages=_chat(prompt), temperature=0, max_tokens=32
+        )
+        comp = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=32
+        )
+        outs.append((chat.choices[0].message.content, comp.choices[0].text))
+    assert outs[0] == outs[1]
+    # And the stock server really is stock: none of our metrics, no config endpoint.
+    assert not [n for n in stock_server.metrics().names() if n.startswith("vllm:obcache_")]
+    code, _ = stock_server.post_json("/v1/obcache/config", {})
+    assert code in (404, 405)

@@ -1,0 +1,176 @@
+"""A real `obcache-vllm serve` process for tests (no vLLM import here), and /metrics parsing.
+
+Started as a user does: vLLM's normal topology (API server -> EngineCore -> worker), in its own
+process group, logs to a file (nobody would drain a pipe), stopped with SIGINT then SIGKILL.
+Each start costs about a minute on the development machine: tests share one per session
+(`tests/conftest.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from obcache_vllm.plugin import TRACE_ENV
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+# Small engine settings: a 96-block pool (3072 tokens) makes capacity effects visible with
+# prompts of a few hundred tokens; block size 32 comes from `obcache-vllm serve`.
+POOL_BLOCKS = 96
+TEST_SERVER_ARGS = (
+    "--max-model-len", "2048",
+    "--num-gpu-blocks-override", str(POOL_BLOCKS),
+    "--max-num-seqs", "8",
+    "--max-num-batched-tokens", "512",
+    "--seed", "0",
+)  # fmt: skip
+START_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+    trace: Path
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def get_json(self, path: str, timeout: float = 30) -> dict:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def post_json(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+        """POST ``body``; (status, decoded JSON) for success and error statuses alike."""
+        req = urllib.request.Request(
+            f"{self.url}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def metrics(self) -> Metrics:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:
+            return Metrics.parse(resp.read().decode())
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Prometheus text samples: (name, sorted labels) -> value, plus HELP lines by name."""
+
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+    help: dict[str, str]
+
+    @classmethod
+    def parse(cls, text: str) -> Metrics:
+        samples, helps = {}, {}
+        for line in text.splitlines():
+            if line.startswith("# HELP "):
+                name, _, doc = line[len("# HELP ") :].partition(" ")
+                helps[name] = doc
+                continue
+            if not line or line.startswith("#"):
+                continue
+            match = _SAMPLE.match(line)
+            if match:
+                name, labels, value = match.groups()
+                key = tuple(sorted(_LABEL.findall(labels or "")))
+                samples[(name, key)] = float(value)
+        return cls(samples, helps)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+        want = set(labels.items())
+        return sum(v for (n, key), v in self.samples.items() if n == name and want <= set(key))
+
+    def names(self) -> set[str]:
+        return {n for n, _ in self.samples}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def running_server(
+    workdir: Path,
+    args: Sequence[str] = TEST_SERVER_ARGS,
+    env_overrides: Mapping[str, str | None] | None = None,
+) -> Iterator[Server]:
+    """`obcache-vllm serve --port P ARGS` until the block exits; fails the test if it never
+    becomes healthy. ``env_overrides``: variables to set (``None``: unset)."""
+    import pytest
+
+    port = free_port()
+    env = dict(os.environ)
+    # The production topology, whatever an in-process test engine asked for.
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OBCACHE_VLLM_RECORD_KEEP"):
+        env.pop(key, None)
+    env[TRACE_ENV] = str(workdir / "trace.txt")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    for key, value in (env_overrides or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    script = Path(sys.executable).parent / "obcache-vllm"
+    cmd = [str(script), "serve", "--port", str(port), *args]
+    log_path = workdir / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        server = Server(f"http://127.0.0.1:{port}", proc.pid, Path(env[TRACE_ENV]), log_path)
+        try:
+            started = time.monotonic()
+            while not healthy(server.url):
+                if proc.poll() is not None:
+                    pytest.fail(f"server exited ({proc.returncode}):\n{server.log_tail()}")
+                if time.monotonic() - started > START_TIMEOUT_S:
+                    pytest.fail(f"server not up in {START_TIMEOUT_S} s:\n{server.log_tail()}")
+                time.sleep(1)
+            print(f"server {cmd} up in {time.monotonic() - started:.0f} s", file=sys.stderr)
+            yield server
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()

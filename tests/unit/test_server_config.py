@@ -1,0 +1,207 @@
+"""Server-wide kv_* defaults (YAML + environment) and the server's request-field plumbing.
+
+Pure Python: obcache_vllm.config and the vLLM-free helpers of obcache_vllm.vllm_ext.server.
+The same behaviour through the real server: tests/server/test_openai_server.py.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from obcache_vllm import cli, config, options
+from obcache_vllm.vllm_ext import server
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    return {config.CONFIG_ENV: str(REPO / "configs" / "default.yaml"), **extra}
+
+
+def test_shipped_config_file_holds_the_builtin_defaults() -> None:
+    assert config.load_defaults(_clean_env()) == config.BUILTIN_DEFAULTS
+    assert config.load_defaults({}) == config.BUILTIN_DEFAULTS  # source tree: the same file
+    assert set(config.BUILTIN_DEFAULTS) == set(options.WIRE_FIELDS)
+
+
+def test_file_then_environment_override(tmp_path: Path) -> None:
+    path = tmp_path / "kv.yaml"
+    path.write_text("kv_budget: 256\nkv_scorer: obcache_joint\nkv_window: 32\n")
+    env = {
+        config.CONFIG_ENV: str(path),
+        "OBCACHE_KV_BUDGET": "0.25",
+        "OBCACHE_KV_DECODE": "true",
+        "OBCACHE_KV_PIPELINE": "h2o",
+    }
+    got = config.load_defaults(env)
+    assert got == {
+        **config.BUILTIN_DEFAULTS,
+        "kv_budget": 0.25,
+        "kv_scorer": "obcache_joint",
+        "kv_window": 32,
+        "kv_decode": True,
+        "kv_pipeline": "h2o",
+    }
+    assert config.load_defaults({**env, "OBCACHE_KV_BUDGET": "null"})["kv_budget"] is None
+
+
+@pytest.mark.parametrize(
+    "yaml_text, env, needle",
+    [
+        pytest.param("kv_scorer: magic\n", {}, "kv_scorer", id="file-scorer"),
+        pytest.param("kv_bugdet: 64\n", {}, "kv_bugdet", id="file-unknown-key"),
+        pytest.param("- 1\n- 2\n", {}, "mapping", id="file-not-mapping"),
+        pytest.param("kv_budget: [\n", {}, "YAML", id="file-bad-yaml"),
+        pytest.param("", {"OBCACHE_KV_BUDGET": "0"}, "OBCACHE_KV_BUDGET", id="env-budget-zero"),
+        pytest.param("", {"OBCACHE_KV_BUDGET": "1.5"}, "kv_budget", id="env-ratio"),
+        pytest.param("", {"OBCACHE_KV_WINDOW": "0"}, "OBCACHE_KV_WINDOW", id="env-window"),
+        pytest.param("", {"OBCACHE_KV_PIPELINE": "x"}, "kv_pipeline", id="env-pipeline"),
+        pytest.param(
+            "kv_budget: 16\n", {"OBCACHE_KV_RECENT": "16"}, "kv_budget", id="sinks+recent"
+        ),
+    ],
+)
+def test_invalid_defaults_fail_naming_source_and_key(
+    tmp_path: Path, yaml_text: str, env: dict, needle: str
+) -> None:
+    path = tmp_path / "kv.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(config.ConfigError, match=needle):
+        config.load_defaults({config.CONFIG_ENV: str(path), **env})
+
+
+def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(config.ConfigError, match="cannot read"):
+        config.load_defaults({config.CONFIG_ENV: str(tmp_path / "absent.yaml")})
+
+
+def test_serve_refuses_to_start_on_invalid_defaults(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("OBCACHE_KV_SCORER", "magic")
+    monkeypatch.setattr(cli, "_run_vllm_serve", lambda argv: pytest.fail("must not start"))
+    assert cli.main(["serve"]) == 1
+    err = capsys.readouterr().err
+    assert "OBCACHE_KV_SCORER" in err and "magic" in err
+
+
+DEFAULTS = dict(config.BUILTIN_DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    "defaults, requested, expected",
+    [
+        pytest.param(DEFAULTS, {}, {}, id="no-budget-stays-stock"),
+        pytest.param(
+            DEFAULTS,
+            {"kv_budget": 64},
+            {k: v for k, v in {**DEFAULTS, "kv_budget": 64}.items()},
+            id="budget-gets-defaults",
+        ),
+        pytest.param(
+            {**DEFAULTS, "kv_budget": 128, "kv_scorer": "attn"},
+            {"kv_pipeline": "tova"},
+            {**DEFAULTS, "kv_budget": 128, "kv_scorer": "attn", "kv_pipeline": "tova"},
+            id="default-budget",
+        ),
+        pytest.param(
+            {**DEFAULTS, "kv_budget": 128},
+            {"kv_budget": None},
+            {},
+            id="null-budget-opts-out",
+        ),
+        pytest.param(
+            DEFAULTS, {"kv_scorer": "attn"}, {"kv_scorer": "attn"}, id="option-without-budget"
+        ),
+    ],
+)
+def test_merge_request(defaults: dict, requested: dict, expected: dict) -> None:
+    assert config.merge_request(defaults, requested) == expected
+
+
+def test_requested_fields_top_level_over_vllm_xargs_and_foreign_keys_ignored() -> None:
+    got = server.requested_kv_fields(
+        {"kv_budget": 32, "kv_scorer": "random", "kv_transfer_params": {"x": 1}, "other": 1},
+        {"kv_scorer": "attn", "kv_foo": 2, "top_p": 0.5},
+    )
+    assert got == {"kv_budget": 32, "kv_scorer": "attn", "kv_foo": 2}
+
+
+@pytest.mark.parametrize(
+    "merged, field",
+    [
+        pytest.param({"kv_budget": [64]}, "kv_budget", id="list"),
+        pytest.param({"kv_budget": 64, "kv_sinks": {"a": 1}}, "kv_sinks", id="object"),
+        pytest.param({"kv_budget": 64, "kv_window": 2**70}, "kv_window", id="int-range"),
+        pytest.param({"kv_budget": math.inf}, "kv_budget", id="inf"),
+        pytest.param({"kv_budget": math.nan}, "kv_budget", id="nan"),
+        pytest.param({"kv_budget": 64, "kv_foo": 1}, "kv_foo", id="unknown"),
+        pytest.param({"kv_budget": 20, "kv_sinks": 4, "kv_recent": 16}, "kv_budget", id="sinks"),
+    ],
+)
+def test_prevalidate_names_the_field(merged: dict, field: str) -> None:
+    with pytest.raises(options.KvOptionsError) as info:
+        server.prevalidate(merged)
+    assert info.value.field == field
+
+
+def test_prevalidate_leaves_prompt_dependent_checks_to_the_input_processor() -> None:
+    # 0.01 of a short prompt is below kv_sinks + kv_recent; only the real prompt can tell.
+    server.prevalidate({"kv_budget": 0.01})
+    with pytest.raises(options.KvOptionsError):
+        options.parse_kv_options({"kv_budget": 0.01}, num_prompt_tokens=100)
+
+
+def test_kv_transfer_params_is_not_an_unknown_kv_option() -> None:
+    assert options.parse_kv_options({"kv_transfer_params": {"a": 1}}, 10) is None
+
+
+class _Res:
+    def __init__(self, params):
+        self.kv_transfer_params = params
+
+
+def test_outcome_is_taken_off_kv_transfer_params() -> None:
+    res = _Res({"obcache": {"resident_tokens": 3}, "remote": 1})
+    assert server.take_outcome(res) == {"resident_tokens": 3}
+    assert res.kv_transfer_params == {"remote": 1}
+    only = _Res({"obcache": {"resident_tokens": 3}})
+    server.take_outcome(only)
+    assert only.kv_transfer_params is None
+    assert server.take_outcome(_Res(None)) is None
+
+
+def test_outcomes_of_several_prompts_are_summed() -> None:
+    one = {
+        "resident_tokens": 70,
+        "evicted_tokens": 64,
+        "freed_blocks": 2,
+        "evictions": 1,
+        "prompt_tokens_kept": 66,
+        "budget": 64,
+        "scorer": "attn",
+        "pipeline": "snapkv",
+    }
+    two = {**one, "resident_tokens": 80, "evicted_tokens": 32, "freed_blocks": 1}
+    assert server.combine({0: one}) == one
+    total = server.combine({1: two, 0: one})
+    assert total["resident_tokens"] == 150 and total["evicted_tokens"] == 96
+    assert total["freed_blocks"] == 3 and total["evictions"] == 2 and total["requests"] == 2
+    assert total["scorer"] == "attn"
+    assert server.combine({}) is None
+
+
+def test_usage_chunk_injection_touches_only_the_final_usage_chunk() -> None:
+    outcome = {0: {"resident_tokens": 5}}
+    final = 'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3}}\n\n'
+    got = server._inject_into_usage_chunk(final, outcome)
+    assert got == (
+        'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3,'
+        '"obcache":{"resident_tokens":5}}}\n\n'
+    )
+    content = 'data: {"id":"x","choices":[{"delta":{}}],"usage":{"prompt_tokens":3}}\n\n'
+    assert server._inject_into_usage_chunk(content, outcome) == content
+    assert server._inject_into_usage_chunk("data: [DONE]\n\n", outcome) == "data: [DONE]\n\n"
