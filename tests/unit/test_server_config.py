@@ -89,6 +89,7 @@ def test_serve_refuses_to_start_on_invalid_defaults(
 
 
 DEFAULTS = dict(config.BUILTIN_DEFAULTS)
+SET_DEFAULTS = {k: v for k, v in DEFAULTS.items() if v is not None}  # what merging copies
 
 
 @pytest.mark.parametrize(
@@ -98,13 +99,13 @@ DEFAULTS = dict(config.BUILTIN_DEFAULTS)
         pytest.param(
             DEFAULTS,
             {"kv_budget": 64},
-            {k: v for k, v in {**DEFAULTS, "kv_budget": 64}.items()},
+            {**SET_DEFAULTS, "kv_budget": 64},
             id="budget-gets-defaults",
         ),
         pytest.param(
             {**DEFAULTS, "kv_budget": 128, "kv_scorer": "attn"},
             {"kv_pipeline": "tova"},
-            {**DEFAULTS, "kv_budget": 128, "kv_scorer": "attn", "kv_pipeline": "tova"},
+            {**SET_DEFAULTS, "kv_budget": 128, "kv_scorer": "attn", "kv_pipeline": "tova"},
             id="default-budget",
         ),
         pytest.param(
@@ -120,6 +121,11 @@ DEFAULTS = dict(config.BUILTIN_DEFAULTS)
 )
 def test_merge_request(defaults: dict, requested: dict, expected: dict) -> None:
     assert config.merge_request(defaults, requested) == expected
+
+
+def test_compress_at_has_no_server_default() -> None:
+    with pytest.raises(config.ConfigError, match="kv_compress_at"):
+        config.validate_defaults({"kv_compress_at": 100}, "test")
 
 
 def test_requested_fields_top_level_over_vllm_xargs_and_foreign_keys_ignored() -> None:
