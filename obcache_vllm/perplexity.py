@@ -130,13 +130,15 @@ class Method:
         return self.name.rsplit("@", 1)[0]
 
 
-def methods(budgets: Sequence[int], scorers: Sequence[str] = SCORED) -> list[Method]:
+def methods(budgets: Sequence[int], scorers: Sequence[str] = SCORED, recent: int = 16,
+            recent_fraction: float | None = None) -> list[Method]:
     """Full cache, then per budget: streaming and h2o with each scorer (decode eviction on).
 
     Streaming keeps the first ``SINKS`` tokens and fills the rest of the budget with the most
     recent ones (its select grows the recent window to the kept count, so ``kv_recent`` is only
     a floor; it is set to ``budget - SINKS - 1``, the largest the options allow, to make that
-    explicit). The scored methods keep vLLM-side defaults: 4 sinks, 16 recent tokens.
+    explicit). The scored methods keep ``SINKS`` sinks and ``recent`` recent tokens (16, the
+    plugin's default and the paper's example), or ``round(recent_fraction * budget)``.
     """
     out = [Method("full", None, None)]
     for b in budgets:
@@ -147,10 +149,12 @@ def methods(budgets: Sequence[int], scorers: Sequence[str] = SCORED) -> list[Met
                                          "kv_decode": True, "kv_sinks": SINKS,
                                          "kv_recent": b - SINKS - 1})
         )
+        keep_recent = recent if recent_fraction is None else round(recent_fraction * b)
         for s in scorers:
             out.append(
                 Method(f"h2o+{s}@{b}", b, {"kv_budget": b, "kv_pipeline": "h2o", "kv_scorer": s,
-                                           "kv_decode": True, "kv_sinks": SINKS})
+                                           "kv_decode": True, "kv_sinks": SINKS,
+                                           "kv_recent": keep_recent})
             )
     return out
 
@@ -348,6 +352,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=8000, help="forced tokens per document")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--scorers", nargs="+", default=list(SCORED), choices=SCORED)
+    ap.add_argument("--recent", type=int, default=16,
+                    help="recent tokens always kept by the h2o methods")
+    ap.add_argument("--recent-fraction", type=float, default=None,
+                    help="instead of --recent: that fraction of each budget")
     ap.add_argument("--table-bin", type=int, default=1024, help="positions per table column")
     ap.add_argument("--out", type=Path, default=Path("results/ppl"))
     ap.add_argument("--report-only", type=Path, default=None, metavar="RESULTS_JSON",
@@ -392,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(args.model)
     docs = [make_document(b, tok(t).input_ids, args.prompt_tokens, args.tokens)
             for b, t in texts.items()]
-    method_list = methods(args.budgets, args.scorers)
+    method_list = methods(args.budgets, args.scorers, args.recent, args.recent_fraction)
     max_len = args.prompt_tokens + args.tokens + 32
     kwargs = engine_kwargs(args.model, max_len, len(docs) * len(method_list))
     llm = LLM(**kwargs)

@@ -45,9 +45,12 @@ def test_methods_are_full_then_streaming_and_h2o_per_scorer_at_each_budget():
         if m.family == "streaming":
             assert opts.pipeline == "streaming" and opts.recent == m.budget - ppl.SINKS - 1
         else:
-            assert opts.pipeline == "h2o" and opts.scorer in ppl.SCORED
+            assert opts.pipeline == "h2o" and opts.scorer in ppl.SCORED and opts.recent == 16
     with pytest.raises(ValueError, match="too small"):
         ppl.methods([16])
+    quarter = ppl.methods([256], scorers=["attn"], recent_fraction=0.25)
+    assert quarter[-1].kv["kv_recent"] == 64
+    assert parse_kv_options(quarter[-1].kv, 32).recent == 64
 
 
 def test_bins_are_aligned_on_absolute_positions_and_merge_over_documents():
