@@ -107,7 +107,26 @@ def markdown(rows: Sequence[dict]) -> str:
             cells = [_fmt(by_method[method][b]) if b in by_method[method] else "" for b in budgets]
             out.append(f"| {method} | " + " | ".join(cells) + " |")
         out.append("")
-    return "\n".join(out)  # fmt: skip
+    return "\n".join(out + comparison(rows))  # fmt: skip
+
+
+def comparison(rows: Sequence[dict]) -> list[str]:
+    """vLLM (this project) next to kvpress on the cells both engines ran."""
+    def key(r):
+        return (r["task"], r["length"], r["setting"], r["method"], r["budget"])
+
+    ref = {key(r): r for r in rows if r["engine"] == "kvpress"}
+    pairs = [(r, ref[key(r)]) for r in rows if r["engine"] == "vllm" and key(r) in ref]
+    if not pairs:
+        return []
+    out = ["## obcache-vllm (vLLM) vs kvpress 0.5.5 (HF), same samples, same kept counts", "",
+           "| task | length | setting | method | budget | kept (mean) | vLLM | kvpress |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mine, theirs in pairs:
+        out.append(f"| {mine['task']} | {mine['length']} | {mine['setting']} | {mine['method']} "
+                   f"| {mine['budget']:.0%} | {mine['kept_tokens_mean']:.0f} | {_fmt(mine)} "
+                   f"| {_fmt(theirs)} |")
+    return out + [""]  # fmt: skip
 
 
 def plot(rows: Sequence[dict], directory: Path) -> list[Path]:
@@ -122,15 +141,17 @@ def plot(rows: Sequence[dict], directory: Path) -> list[Path]:
     for engine, task, length in keys:
         mine = [r for r in rows if (r["engine"], r["task"], r["length"]) == (engine, task, length)]
         settings = sorted({r["setting"] for r in mine if r["pipeline"] != FULL})
-        fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 4.5),
+        fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings) + 2.5, 4.5),
                                  squeeze=False, sharey=True)  # fmt: skip
         full = [r for r in mine if r["pipeline"] == FULL]
         for ax, setting in zip(axes[0], settings, strict=True):
             methods = sorted({r["method"] for r in mine if r["setting"] == setting})
-            for method in methods:
+            for i, method in enumerate(methods):
+                # A small x offset per method, so that overlapping error bars stay readable.
+                shift = (i - (len(methods) - 1) / 2) * 0.4
                 pts = sorted((r["budget"], r) for r in mine
                              if r["setting"] == setting and r["method"] == method)  # fmt: skip
-                xs = [b * 100 for b, _ in pts]
+                xs = [b * 100 + shift for b, _ in pts]
                 ys = [r["accuracy"] for _, r in pts]
                 err = [[y - r["ci95"][0] for y, (_, r) in zip(ys, pts, strict=True)],
                        [r["ci95"][1] - y for y, (_, r) in zip(ys, pts, strict=True)]]
@@ -144,7 +165,7 @@ def plot(rows: Sequence[dict], directory: Path) -> list[Path]:
             ax.set_ylim(-0.03, 1.03)
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(f"accuracy ({engine}, 95 % CI)")
-        axes[0][-1].legend(fontsize=7, loc="lower right")
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
         fig.tight_layout()
         path = directory / f"{engine}_{task}_{length}.png"
         fig.savefig(path, dpi=90)
