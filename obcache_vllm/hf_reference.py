@@ -48,7 +48,7 @@ from torch import Tensor
 
 from obcache_vllm.options import KvOptions
 from obcache_vllm.planning import EvictionOrder, plan_eviction
-from obcache_vllm.scoring import HeadGeometry, Pipeline, Scorer, make_pipeline, make_scorer
+from obcache_vllm.scoring import HeadGeometry, Pipeline, Scorer
 
 __all__ = [
     "Prefill",
@@ -73,9 +73,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
 
 
 def make_scoring(options: KvOptions) -> tuple[Scorer, Pipeline]:
-    """The scorer and pipeline the vLLM worker builds for ``options`` (same kwargs)."""
-    kwargs = {"window": options.window} if options.pipeline == "snapkv" else {}
-    return make_scorer(options.scorer), make_pipeline(options.pipeline, **kwargs)
+    """The scorer and pipeline the vLLM worker builds for ``options`` (the same call)."""
+    return options.build_scoring()
 
 
 @dataclass(frozen=True)
@@ -230,12 +229,15 @@ def generate(
     kept: dict[int, Tensor] | None = None,
     max_new_tokens: int = 16,
     eos_token_ids: Collection[int] = (),
+    rest: Tensor | None = None,
 ) -> tuple[list[int], Tensor]:
     """Greedy continuation from the prefill with only the ``kept`` entries cached per layer.
 
-    ``kept`` None or empty: the full prompt cache. Returns the tokens and the logits [n, V] each
-    was chosen from. Stops after an ``eos_token_ids`` token (none by default: exactly
-    ``max_new_tokens`` tokens).
+    ``kept`` None or empty: the full prompt cache. ``rest``: prompt tokens [R] that follow the
+    prefilled ones (``kv_compress_at``): computed in one pass on the compressed cache at their
+    true positions, the first new token then comes from their last logits. Returns the tokens
+    and the logits [n, V] each was chosen from. Stops after an ``eos_token_ids`` token (none by
+    default: exactly ``max_new_tokens`` tokens).
     """
     from transformers import DynamicCache
 
@@ -250,9 +252,21 @@ def generate(
     cache = DynamicCache(ddp_cache_data=data, config=model.config)
 
     logits = state.logits
+    position = state.length
+    if rest is not None and rest.numel():
+        rest = rest.reshape(1, -1).to(model.device)  # [1, R]
+        positions = torch.arange(position, position + rest.shape[1], device=model.device)
+        out = model(
+            input_ids=rest,
+            position_ids=positions.unsqueeze(0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[0, -1].float()  # [V]
+        position += rest.shape[1]
     tokens: list[int] = []
     rows: list[Tensor] = []
-    position = state.length
     stop = set(eos_token_ids)
     for step in range(max_new_tokens):
         token = int(torch.argmax(logits))
@@ -280,8 +294,14 @@ def compress_and_generate(
     max_new_tokens: int = 16,
     eos_token_ids: Collection[int] = (),
 ) -> Result:
-    """Prefill, evict as vLLM would at the end of the prompt, and continue greedily."""
-    state = prefill(model, input_ids, query_window=options.query_window)
+    """Prefill, evict as vLLM would, and continue greedily.
+
+    Eviction runs at the end of the prompt, or after ``options.compress_at`` prompt tokens: the
+    remaining prompt tokens are then computed on the compressed cache, as in vLLM.
+    """
+    ids = input_ids.reshape(-1)
+    point = options.compress_point(ids.numel())
+    state = prefill(model, ids[:point], query_window=options.query_window)
     order, kept = select_kept(state, options, block_size)
-    tokens, logits = generate(model, state, kept, max_new_tokens, eos_token_ids)
+    tokens, logits = generate(model, state, kept, max_new_tokens, eos_token_ids, ids[point:])
     return Result(kept=kept, token_ids=tokens, logits=logits, order=order)

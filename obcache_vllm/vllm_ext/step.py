@@ -15,8 +15,7 @@ import torch
 
 from obcache_vllm.options import KvOptions
 from obcache_vllm.planning import EvictionOrder
-from obcache_vllm.scoring import Pipeline, RunningScores, Scorer, make_pipeline, make_scorer
-
+from obcache_vllm.scoring import Pipeline, RunningScores, Scorer
 
 # Decode queries buffered per layer before they are scored in one call (bounds the memory of a
 # request whose budget is far away; evictions score the buffer anyway).
@@ -46,12 +45,8 @@ class RequestKvState:
 
     @classmethod
     def create(cls, options: KvOptions) -> RequestKvState:
-        kwargs = {"window": options.window} if options.pipeline == "snapkv" else {}
-        return cls(
-            options=options,
-            scorer=make_scorer(options.scorer),
-            pipeline=make_pipeline(options.pipeline, **kwargs),
-        )
+        scorer, pipeline = options.build_scoring()
+        return cls(options=options, scorer=scorer, pipeline=pipeline)
 
     def reset(self) -> None:
         """Forget everything: the request's KV is being recomputed from position 0."""

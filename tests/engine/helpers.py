@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-
 # Engine settings shared by the plugin engine and the stock reference. A deliberately small
 # pool (96 blocks of 32 tokens = 3072 tokens) makes capacity measurable with short prompts
 # (this 2-core machine prefills only a few hundred tokens per second); 256 batched tokens make
@@ -89,10 +88,14 @@ class Driver:
     max_running: int = 0
     trace: list = field(default_factory=list)
 
-    def add(self, req_id: str, prompt_ids: list[int], max_tokens: int, **kv) -> str:
+    def add(
+        self, req_id: str, prompt_ids: list[int], max_tokens: int, ignore_eos=False, **kv
+    ) -> str:
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=kv or None)
+        params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=kv or None
+        )
         internal = self.engine.llm.llm_engine.add_request(
             req_id, {"prompt_token_ids": prompt_ids}, params
         )

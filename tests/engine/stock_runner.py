@@ -24,7 +24,9 @@ def main() -> None:
     for batch in spec["batches"]:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
         params = [
-            SamplingParams(temperature=0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args"))
+            SamplingParams(
+                temperature=0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args")
+            )
             for r in batch
         ]
         outs = llm.generate(prompts, params, use_tqdm=False)

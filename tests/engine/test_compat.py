@@ -33,6 +33,16 @@ def test_a_changed_signature_refuses_to_start(monkeypatch):
         inst.check_compatibility()
 
 
+def test_changed_request_state_refuses_to_start(monkeypatch):
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    fields = dict(SchedulerOutput.__dataclass_fields__)
+    del fields["total_num_scheduled_tokens"]
+    monkeypatch.setattr(SchedulerOutput, "__dataclass_fields__", fields)
+    with pytest.raises(inst.IncompatibleVllmError, match="total_num_scheduled_tokens"):
+        inst.check_compatibility()
+
+
 def test_another_vllm_version_refuses_to_start(monkeypatch):
     import vllm
 
@@ -77,6 +87,7 @@ def test_unsupported_configurations_are_named(llm):
         pytest.param({"kv_budget": -1}, "kv_budget", id="negative"),
         pytest.param({"kv_budget": 64, "kv_scorer": "magic"}, "kv_scorer", id="scorer"),
         pytest.param({"kv_budget": 99999}, "kv_budget", id="beyond-context"),
+        pytest.param({"kv_budget": 2, "kv_compress_at": 500}, "kv_compress_at", id="compress-at"),
     ],
 )
 def test_bad_options_are_rejected_before_the_engine_and_it_keeps_serving(engine, extra, field):

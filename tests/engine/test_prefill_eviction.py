@@ -163,6 +163,49 @@ def test_chunked_prefill_evicts_once_with_the_last_window(driver, prompts):
     assert (k[:, -16:] == torch_arange(16) + n - 16).all()
 
 
+def test_compress_at_evicts_before_the_question(driver, tokenizer):
+    """``kv_compress_at``: the chunk is cut at the point, the window ends there, the question is
+    prefilled on the compressed cache, and the kept set does not depend on the question."""
+    engine = driver.engine
+    context = _ids(tokenizer, haystack(26, seed=77))[:700]
+    point = len(context)
+    assert point > 256 and point % 256 > 40  # the cut falls inside the second chunk
+    questions = ["\nQuestion: Which town traded salt? Answer:", "\nQ: Name a year. A:"]
+    question_ids = [tokenizer(q, add_special_tokens=False).input_ids for q in questions]
+    rids = []
+    for i, q in enumerate(question_ids):
+        ids = context + q
+        rids.append(
+            driver.add(
+                f"agnostic{i}", ids, 3, ignore_eos=True,
+                kv_budget=128, kv_window=32, kv_compress_at=point,
+            )
+        )
+    driver.run()
+    layer = "model.layers.0.self_attn.attn"
+    for i, rid in enumerate(rids):
+        record = engine.runner.obcache_records[rid]
+        assert record[layer + ":window"] == (32, point - 32, point - 1)
+        kept = record[layer]
+        assert kept.shape == (3, point - ((point - 128) // BS) * BS)
+        # Some step ended exactly at the compress point, and only then were blocks dropped.
+        computed = [step[rid].computed for step in driver.trace if rid in step]
+        assert point in computed
+        resident = [step[rid].resident for step in driver.trace if rid in step]
+        evicted_at = computed.index(point)
+        assert resident[evicted_at] == kept.shape[1]
+        assert resident[:evicted_at] == computed[:evicted_at]
+        # The question was then prefilled in one step on top of the compressed cache; the
+        # last step seen here is the first decode step.
+        assert computed[evicted_at + 1] == len(context) + len(question_ids[i])
+        assert computed[-1] == computed[evicted_at + 1] + 1
+        assert resident[-1] == kept.shape[1] + computed[-1] - point
+    # Scored with context queries only: both requests kept the same tokens in every layer.
+    a, b = (engine.runner.obcache_records[r] for r in rids)
+    assert all((a[n] == b[n]).all() for n in a if not n.endswith(":window"))
+    assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
 def torch_arange(n):
     import torch
 

@@ -8,6 +8,8 @@ model's own attention outputs; kept counts follow the block rule.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -208,3 +210,58 @@ def test_select_kept_refuses_missing_queries(model) -> None:
         ref.select_kept(state, _opts(16, "h2o", "attn"), block_size=BLOCK)
     with pytest.raises(ValueError, match="query_window"):
         ref.select_kept(state, _opts(16, "snapkv"), block_size=BLOCK)  # window 8 > 4 captured
+
+
+def test_compress_at_without_eviction_equals_generate(model) -> None:
+    from transformers import GenerationConfig
+
+    ids = _prompt(60, seed=3)
+    opts = dataclasses.replace(_opts(100), compress_at=40)
+    result = ref.compress_and_generate(model, ids, opts, block_size=BLOCK, max_new_tokens=6)
+    assert result.order is None
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert result.token_ids == model.generate(ids[None], generation_config=config)[0, 60:].tolist()
+
+
+@pytest.mark.parametrize("pipeline", ["snapkv", "h2o"])
+def test_compress_at_scores_the_prefix_and_the_rest_sees_only_kept_entries(model, pipeline):
+    """Oracle: one full pass in which prompt rows >= k cannot see the prefix entries evicted."""
+    length, point = 72, 48
+    ids = _prompt(length, seed=4)
+    opts = dataclasses.replace(_opts(24, pipeline), compress_at=point)
+    result = ref.compress_and_generate(model, ids, opts, block_size=BLOCK, max_new_tokens=1)
+    prefix = ref.prefill(model, ids[:point], query_window=-1)
+    order, kept = ref.select_kept(prefix, opts, block_size=BLOCK)
+    assert result.order == order and order.logical_len == point
+    assert all(torch.equal(result.kept[i], kept[i]) for i in kept)  # the rest is not scored
+
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+
+    def make(layer: int):
+        mask = torch.full((length, length), float("-inf")).triu(1)  # causal [L, L]
+        mask = mask.expand(NUM_Q_HEADS, length, length).clone()  # [Hq, L, L]
+        hidden = torch.ones(NUM_KV_HEADS, point, dtype=torch.bool)
+        hidden.scatter_(1, kept[layer], False)
+        hidden = hidden.repeat_interleave(group, dim=0)  # [Hq, k]
+        rows = mask[:, point:, :point]  # [Hq, L-k, k]
+        rows.masked_fill_(hidden.unsqueeze(1).expand_as(rows), float("-inf"))
+
+        def hook(module, args, kwargs):
+            kwargs["attention_mask"] = mask.unsqueeze(0)
+            return args, kwargs
+
+        return hook
+
+    handles = [
+        layer.self_attn.register_forward_pre_hook(make(i), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)
+    ]
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=ids[None], use_cache=False).logits[0, -1]
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(result.logits[0], logits.float(), rtol=1e-4, atol=1e-4)
+    full = ref.prefill(model, ids, query_window=0).logits
+    assert not torch.allclose(result.logits[0], full, atol=1e-3)  # eviction mattered

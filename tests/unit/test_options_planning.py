@@ -44,6 +44,16 @@ def test_defaults_and_overrides():
     assert parse_kv_options({"kv_budget": 64, "kv_pipeline": "streaming"}, 500).query_window == 0
 
 
+def test_compress_at_is_the_eviction_point_and_the_base_of_a_fraction():
+    whole = parse_kv_options({"kv_budget": 0.25}, 1000)
+    assert whole.compress_at is None and whole.compress_point(1000) == 1000
+    assert whole.budget == 250
+    opts = parse_kv_options({"kv_budget": 0.25, "kv_compress_at": 800}, 1000)
+    assert opts.compress_at == 800 and opts.compress_point(1000) == 800
+    assert opts.budget == 200
+    assert parse_kv_options({"kv_budget": 100, "kv_compress_at": 1000}, 1000).budget == 100
+
+
 @pytest.mark.parametrize(
     "extra, field",
     [
@@ -54,7 +64,9 @@ def test_defaults_and_overrides():
         pytest.param({"kv_budget": "128"}, "kv_budget", id="string"),
         pytest.param({"kv_budget": True}, "kv_budget", id="bool"),
         pytest.param({"kv_budget": 1.5}, "kv_budget", id="ratio-above-one"),
-        pytest.param({"kv_budget": 10, "kv_sinks": 4, "kv_recent": 6}, "kv_budget", id="sinks+recent"),
+        pytest.param(
+            {"kv_budget": 10, "kv_sinks": 4, "kv_recent": 6}, "kv_budget", id="sinks+recent"
+        ),
         pytest.param({"kv_budget": 9000}, "kv_budget", id="beyond-context"),
         pytest.param({"kv_budget": 64, "kv_scorer": "nope"}, "kv_scorer", id="scorer"),
         pytest.param({"kv_budget": 64, "kv_pipeline": "nope"}, "kv_pipeline", id="pipeline"),
@@ -64,6 +76,13 @@ def test_defaults_and_overrides():
         pytest.param({"kv_budget": 64, "kv_decode": "yes"}, "kv_decode", id="decode"),
         pytest.param({"kv_budget": 64, "kv_bugdet": 3}, "kv_bugdet", id="unknown-field"),
         pytest.param({"kv_scorer": "attn"}, "kv_scorer", id="option-without-budget"),
+        pytest.param({"kv_budget": 64, "kv_compress_at": 0}, "kv_compress_at", id="compress-0"),
+        pytest.param(
+            {"kv_budget": 64, "kv_compress_at": 1001}, "kv_compress_at", id="compress-past-prompt"
+        ),
+        pytest.param(
+            {"kv_budget": 64, "kv_compress_at": "500"}, "kv_compress_at", id="compress-string"
+        ),
     ],
 )
 def test_bad_values_name_the_field(extra, field):
