@@ -194,3 +194,14 @@ def test_write_report(tmp_path):
 def _record(scores):
     return {"accuracy": sum(scores) / len(scores), "scores": scores, "outputs": [""] * len(scores),
             "document_tokens_mean": 600.0, "kept_tokens_mean": math.nan}  # fmt: skip
+
+
+def test_tables_show_the_largest_run_and_comparison_pairs_equal_samples(tmp_path):
+    path = tmp_path / "results.jsonl"
+    for n, hits in [(8, 4), (12, 9)]:
+        append_result(path, _cell(samples=n), _record([1.0] * hits + [0.0] * (n - hits)))
+    append_result(path, _cell(samples=8, engine="kvpress"), _record([1.0] * 5 + [0.0] * 3))
+    report.write_report(tmp_path)
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "| snapkv/obcache_key+w16 | 0.75 [0.47, 0.91] |" in md  # n = 12 in the vllm table
+    assert "| 20% | 8 | nan | 0.50 [0.22, 0.78] | 0.62 [0.31, 0.86] |" in md  # n = 8 pairs
