@@ -4,6 +4,7 @@
     obcache-vllm model path             print the default model's path (no conversion)
     obcache-vllm model verify           re-hash the cached model against its manifest
     obcache-vllm serve [VLLM ARGS...]   vLLM's OpenAI-compatible server, plugin loaded
+    obcache-vllm eval run|report|kvpress  accuracy evidence (see obcache_vllm/eval/)
 
 Import cost: stdlib only; vLLM is imported by ``serve`` after the environment is set.
 """
@@ -135,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     model_sub.add_parser("path", help="print the default model's path without converting")
     model_sub.add_parser("verify", help="re-hash the cached model against its manifest")
 
+    from obcache_vllm.eval.command import add_eval_parser
+
+    add_eval_parser(sub)
     sub.add_parser(
         "serve",
         help="start vLLM's OpenAI-compatible server with the obcache plugin "
@@ -160,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return perplexity.main(argv[1:])
         args = _parser().parse_args(argv)
+        if args.command == "eval":
+            from obcache_vllm.eval.command import eval_command
+
+            return eval_command(args)
         return _model_command(args)
     except (model.ModelError, config.ConfigError) as exc:
         print(f"obcache-vllm: error: {exc}", file=sys.stderr)
