@@ -20,6 +20,8 @@ kv_compress_at  int k in [1, prompt length]: evict once the first k prompt token
                 scored with queries from those k only; the rest of the prompt (e.g. the
                 question) is prefilled on the compressed cache ("query-agnostic"). A fractional
                 kv_budget is then a fraction of k. Default: the whole prompt.
+kv_per_head     true: each KV head keeps its own top tokens; false: one ranking per layer
+                (scores summed over heads, as kvpress's presses do); default true
 ==============  =========================================================================
 
 Budget rule (see :mod:`obcache_vllm.planning`): eviction frees whole KV blocks only, so the
@@ -45,6 +47,7 @@ WIRE_FIELDS = (
     "kv_sinks",
     "kv_decode",
     "kv_compress_at",
+    "kv_per_head",
 )
 
 # kv_-prefixed extra_args keys that belong to vLLM, not to us (KV-connector transfer params).
@@ -82,6 +85,7 @@ class KvOptions:
     decode: bool = False
     # Prompt tokens cached when eviction runs (None: the whole prompt).
     compress_at: int | None = None
+    per_head: bool = True
 
     def compress_point(self, num_prompt_tokens: int) -> int:
         """Number of prompt tokens in the cache when the prefill eviction runs."""
@@ -95,7 +99,8 @@ class KvOptions:
         from obcache_vllm.scoring import make_pipeline, make_scorer
 
         kwargs = {"window": self.window} if self.pipeline == "snapkv" else {}
-        return make_scorer(self.scorer), make_pipeline(self.pipeline, **kwargs)
+        pipeline = make_pipeline(self.pipeline, per_head=self.per_head, **kwargs)
+        return make_scorer(self.scorer), pipeline
 
     @property
     def query_window(self) -> int:
@@ -213,6 +218,7 @@ def parse_kv_options(
         sinks=_int_field(raw, "kv_sinks", DEFAULT_SINKS, 0),
         decode=_bool_field(raw, "kv_decode", False),
         compress_at=compress_at,
+        per_head=_bool_field(raw, "kv_per_head", True),
     )
     if opts.sinks + opts.recent >= opts.budget:
         raise KvOptionsError(

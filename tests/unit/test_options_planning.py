@@ -44,6 +44,14 @@ def test_defaults_and_overrides():
     assert parse_kv_options({"kv_budget": 64, "kv_pipeline": "streaming"}, 500).query_window == 0
 
 
+def test_per_head_selection_is_an_option():
+    assert parse_kv_options({"kv_budget": 64}, 500).build_scoring()[1].per_head is True
+    shared = parse_kv_options({"kv_budget": 64, "kv_per_head": False}, 500)
+    assert shared.per_head is False and shared.build_scoring()[1].per_head is False
+    with pytest.raises(KvOptionsError, match="kv_per_head"):
+        parse_kv_options({"kv_budget": 64, "kv_per_head": "maybe"}, 500)
+
+
 def test_compress_at_is_the_eviction_point_and_the_base_of_a_fraction():
     whole = parse_kv_options({"kv_budget": 0.25}, 1000)
     assert whole.compress_at is None and whole.compress_point(1000) == 1000
