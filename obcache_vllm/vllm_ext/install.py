@@ -28,6 +28,7 @@ import logging
 import sys
 
 from obcache_vllm.options import KvOptionsError, parse_kv_options
+from obcache_vllm.vllm_ext.patching import patch_method
 
 logger = logging.getLogger(__name__)
 
@@ -395,12 +396,6 @@ def _wrap_get_scheduler_cls(original):
     return get_scheduler_cls
 
 
-def _patch_method(owner, name: str, wrapper) -> None:
-    current = getattr(owner, name)
-    if getattr(current, "__obcache_wrapped__", False):
-        return
-    setattr(owner, name, wrapper(current))
-
 
 def install_api_server() -> None:
     """The patches of the process serving the OpenAI API (idempotent); see the module docstring.
@@ -414,7 +409,7 @@ def install_api_server() -> None:
     from obcache_vllm.vllm_ext.stats import stat_logger_factories
 
     install_server()
-    _patch_method(async_llm, "load_stat_logger_plugin_factories", stat_logger_factories)
+    patch_method(async_llm, "load_stat_logger_plugin_factories", stat_logger_factories)
 
 
 def install() -> None:
@@ -429,8 +424,8 @@ def install() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.engine.input_processor import InputProcessor
 
-    _patch_method(SchedulerConfig, "get_scheduler_cls", _wrap_get_scheduler_cls)
-    _patch_method(InputProcessor, "process_inputs", _wrap_process_inputs)
+    patch_method(SchedulerConfig, "get_scheduler_cls", _wrap_get_scheduler_cls)
+    patch_method(InputProcessor, "process_inputs", _wrap_process_inputs)
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
         from vllm.v1.worker import cpu_worker

@@ -30,6 +30,7 @@ from typing import Any
 
 from obcache_vllm import config, options
 from obcache_vllm.planning import OUTCOME_KEY
+from obcache_vllm.vllm_ext.patching import patch_method
 
 logger = logging.getLogger(__name__)
 
@@ -274,12 +275,6 @@ def _wrap_register_api_routers(original):
     return register_api_routers
 
 
-def _patch(owner, name: str, wrapper) -> None:
-    current = getattr(owner, name)
-    if getattr(current, "__obcache_wrapped__", False):
-        return
-    setattr(owner, name, wrapper(current))
-
 
 def install_server() -> None:
     """Apply the API-server patches (idempotent). Loads and validates the server defaults.
@@ -294,22 +289,22 @@ def install_server() -> None:
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    _patch(ChatCompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
-    _patch(CompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
-    _patch(OpenAIServingChat, "chat_completion_full_generator", _wrap_full_generator)
-    _patch(
+    patch_method(ChatCompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
+    patch_method(CompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
+    patch_method(OpenAIServingChat, "chat_completion_full_generator", _wrap_full_generator)
+    patch_method(
         OpenAIServingChat,
         "chat_completion_stream_generator",
         lambda f: _wrap_stream_generator(f, 1),
     )
-    _patch(
+    patch_method(
         OpenAIServingCompletion,
         "completion_stream_generator",
         lambda f: _wrap_stream_generator(f, 2),
     )
-    _patch(
+    patch_method(
         OpenAIServingCompletion,
         "request_output_to_completion_response",
         _wrap_completion_response,
     )
-    _patch(app_module, "register_api_routers", _wrap_register_api_routers)
+    patch_method(app_module, "register_api_routers", _wrap_register_api_routers)
