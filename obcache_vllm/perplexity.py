@@ -23,7 +23,7 @@ Usage::
         --out results/ppl
     obcache-vllm ppl --help          # the same command
 
-Everything but :func:`run` is pure (tested in ``tests/unit/test_perplexity.py``).
+Everything but :func:`run` is pure (tested in ``tests/unit/test_perplexity_units.py``).
 """
 
 from __future__ import annotations
