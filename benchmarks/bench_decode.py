@@ -22,12 +22,12 @@ Usage (the default model from ``obcache-vllm model pull``)::
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
-from common import SCORERS, default_model, emit, run_child
+import common
+from common import SCORERS, run_child
 from common import engine as make_engine
 from common import prompts as make_prompts
 
@@ -89,20 +89,13 @@ def worker(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="model dir (default: the provisioned model)")
+    ap = common.parser(__doc__, "decode")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--generate", type=int, default=1024, help="generated tokens per request")
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1, help="measured requests per configuration")
-    ap.add_argument("mode", nargs="?", default="decode", choices=["decode"],
-                    help=argparse.SUPPRESS)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    args.model = default_model(args.model)
-    if args.child:
-        emit(worker(args))  # vLLM also logs to stdout
+    args = common.parse(ap, worker)
+    if args is None:
         return
 
     extra = ["--model", args.model, "--prompt-tokens", str(args.prompt_tokens),

@@ -12,7 +12,6 @@ Usage (the default model from ``obcache-vllm model pull``)::
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -64,17 +63,11 @@ def worker_overhead(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("mode", nargs="?", default="overhead", choices=["overhead"])
-    ap.add_argument("--model", default=None, help="model dir (default: the provisioned model)")
+    ap = common.parser(__doc__, "overhead")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--repeats", type=int, default=2, help="prompts per length (median)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    args.model = common.default_model(args.model)
-    if args.child:
-        common.emit(worker_overhead(args))
+    args = common.parse(ap, worker_overhead)
+    if args is None:
         return
 
     extra = ["--model", args.model, "--lengths", *map(str, args.lengths),

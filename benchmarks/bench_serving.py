@@ -107,9 +107,7 @@ def plot(rows: list[tuple[str, dict]], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("mode", nargs="?", default="serving", choices=["serving"])
-    ap.add_argument("--model", default=None, help="model dir (default: the provisioned model)")
+    ap = common.parser(__doc__, "serving")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     ap.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--pipeline", default="snapkv")
@@ -120,12 +118,8 @@ def main() -> None:
     ap.add_argument("--pool-blocks", type=int, default=200)
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between arrivals")
     ap.add_argument("--out", default="results/bench")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    args.model = common.default_model(args.model)
-    if args.child:
-        common.emit(worker(args))
+    args = common.parse(ap, worker)
+    if args is None:
         return
 
     extra = [

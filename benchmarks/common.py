@@ -39,6 +39,30 @@ def prompts(tokenizer, count: int, tokens: int, seed: int) -> list[list[int]]:
     return out
 
 
+def parser(doc: str, mode: str):
+    """The benchmark's argument parser with what every script takes: its (single) mode, the
+    model, and the hidden child flags of :func:`run_child`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("mode", nargs="?", default=mode, choices=[mode], help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="model dir (default: the provisioned model)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def parse(ap, worker):
+    """Parsed arguments for the parent, or ``None`` after a child has run ``worker`` and
+    printed its result."""
+    args = ap.parse_args()
+    args.model = default_model(args.model)
+    if args.child:
+        emit(worker(args))
+        return None
+    return args
+
+
 def default_model(model: str | None) -> str:
     """``model``, or the provisioned default model's directory."""
     if model is not None:

@@ -154,7 +154,7 @@ class OBCacheScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
         orders = {}
-        for req_id in list(output.num_scheduled_tokens):
+        for req_id in output.num_scheduled_tokens:  # values change below, keys do not
             state = self.obcache_states.get(req_id)
             if state is None:
                 continue
