@@ -32,18 +32,19 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-## Short benchmarks (a few minutes on 2 cores): stock vLLM vs obcache-vllm, ratios printed
+## Short benchmarks: stock vLLM vs obcache-vllm, ratios printed (not yet timed as a whole)
 bench: setup
 	PYTHONPATH=. $(PY) benchmarks/bench_prefill.py --lengths 1024 --repeats 1
 	PYTHONPATH=. $(PY) benchmarks/bench_decode.py --generate 192 --budget 96
 	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --requests 4 --prompt-tokens 768 \
 		--max-tokens 16 --pool-blocks 64 --budgets 0.25 --interval 1 --out results/bench-quick
 
-## The measurements quoted in the README (about an hour on 2 cores)
+## The measurements quoted in the README (roughly an hour on this 2-core machine)
 bench-full: setup
 	PYTHONPATH=. $(PY) benchmarks/bench_prefill.py --lengths 2048 4096 --repeats 2
 	PYTHONPATH=. $(PY) benchmarks/bench_decode.py
-	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --out results/bench
+	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --requests 6 --prompt-tokens 1024 \
+		--max-tokens 64 --pool-blocks 100 --interval 2 --out results/bench
 
 ## Rebuild the cached model from the packaged GGUF
 clean-model: setup
