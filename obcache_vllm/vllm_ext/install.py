@@ -201,6 +201,11 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("self", "max_tokens", "default_sampling_params"),
     ),
     (
+        "vllm.entrypoints.serve.engine.serving",
+        "BaseServing._log_inputs",
+        ("self", "request_id", "inputs", "params", "lora_request"),
+    ),
+    (
         "vllm.entrypoints.openai.chat_completion.serving",
         "OpenAIServingChat.chat_completion_full_generator",
         ("self", "request", "result_generator"),

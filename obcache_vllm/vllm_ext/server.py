@@ -9,8 +9,13 @@ vLLM's own server and protocol stay in charge; the patches only:
   ``model_extra``) and from ``vllm_xargs`` (top-level wins) into ``SamplingParams.extra_args``,
   over the server defaults (:mod:`obcache_vllm.config`). Everything that does not depend on the
   prompt length is validated here, so a bad option is an HTTP 400 naming the field for
-  streaming requests too, before anything is sent to the engine. The rest (a fractional budget
-  against the real prompt) is checked in the input processor (``install.validate_request``).
+  streaming requests too, before anything is sent to the engine.
+* ``BaseServing._log_inputs``: the checks that need the tokenized prompt (a fractional budget
+  that rounds to nothing, a budget beyond the context, ``kv_compress_at`` past the prompt). This
+  is the one call of every generate handler where the rendered prompt and the request's
+  ``SamplingParams`` meet, synchronously, before ``engine_client.generate``; raising there
+  becomes vLLM's HTTP 400 even for a stream, whose 200 is sent only after the handler returns.
+  The input processor (``install.validate_request``) repeats the check for offline ``LLM`` use.
 * The chat/completion response builders: the scheduler puts each budgeted request's KV outcome
   on its outputs (``kv_transfer_params["obcache"]``, see ``scheduler.OUTCOME_KEY``); it is taken
   off there (the response's ``kv_transfer_params`` stays as stock vLLM makes it) and reported
@@ -98,6 +103,26 @@ def _reject(exc: options.KvOptionsError):
 
     count_rejection(exc.field)
     return VLLMValidationError(str(exc), parameter=exc.field, value=exc.value)
+
+
+def _wrap_log_inputs(original):
+    @functools.wraps(original)
+    def _log_inputs(self, request_id, inputs, *args, **kwargs):
+        params = kwargs["params"] if "params" in kwargs else (args[0] if args else None)
+        extra = getattr(params, "extra_args", None)  # None for beam search and pooling
+        if extra and any(is_kv_option(k) for k in extra):
+            token_ids = self._extract_prompt_components(inputs).token_ids
+            if token_ids is not None:  # embeddings-only prompts: left to the input processor
+                try:
+                    options.parse_kv_options(
+                        extra, len(token_ids), self.model_config.max_model_len
+                    )
+                except options.KvOptionsError as exc:
+                    raise _reject(exc) from exc
+        return original(self, request_id, inputs, *args, **kwargs)
+
+    _log_inputs.__obcache_wrapped__ = True
+    return _log_inputs
 
 
 def _wrap_to_sampling_params(original):
@@ -288,7 +313,9 @@ def install_server() -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.serve.engine.serving import BaseServing
 
+    patch_method(BaseServing, "_log_inputs", _wrap_log_inputs)
     patch_method(ChatCompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
     patch_method(CompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
     patch_method(OpenAIServingChat, "chat_completion_full_generator", _wrap_full_generator)

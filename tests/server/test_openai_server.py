@@ -269,6 +269,31 @@ def test_bad_option_on_a_stream_is_400_before_streaming(server: Server) -> None:
     assert body["error"]["param"] == "kv_pipeline"
 
 
+# Checks that need the tokenized prompt: made in the serving handler before it returns, so a
+# stream is refused with a 400 too (not an error event after a 200).
+PROMPT_DEPENDENT = [
+    pytest.param({"kv_budget": 0.001}, "kv_budget", id="fraction-rounds-below-sinks+recent"),
+    pytest.param({"kv_budget": 99999}, "kv_budget", id="beyond-context"),
+    pytest.param({"kv_budget": 64, "kv_compress_at": 100000}, "kv_compress_at",
+                 id="compress-at-past-prompt"),
+]
+
+
+@pytest.mark.parametrize("fields, field", PROMPT_DEPENDENT)
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_prompt_dependent_bad_option_on_a_stream_is_400(server: Server, fields, field, endpoint):
+    before = server.metrics().value(M.REJECTED_REQUESTS.exposed, field=field)
+    body = {"messages": _chat("Hello")} if "chat" in endpoint else {"prompt": "Hello"}
+    code, reply = server.post_json(
+        endpoint, {"model": MODEL_NAME, "max_tokens": 2, "stream": True, **body, **fields}
+    )
+    assert code == 400 and field in reply["error"]["message"], reply
+    assert reply["error"]["param"] == field
+    after = server.metrics()
+    assert after.value(M.REJECTED_REQUESTS.exposed, field=field) == before + 1  # counted once
+    assert after.value("vllm:num_requests_running") == 0
+
+
 def test_normal_request_succeeds_after_rejections(server: Server) -> None:
     reply = _client(server).chat.completions.create(
         model=MODEL_NAME,
