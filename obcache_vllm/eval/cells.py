@@ -11,6 +11,11 @@ Settings:
   query_agnostic  the document is compressed before the question is seen (``kv_compress_at``
                   = the document's token count); the question is prefilled on top
 
+Selection: ``per_head`` (the default, ``kv_per_head: true``) lets every KV head keep its own top
+tokens; ``per_head=False`` sends ``kv_per_head: false`` (one ranking per layer, shared by its
+heads) and the method name gets a ``/shared`` suffix. Position-only methods (full, streaming)
+have no ranking and are always ``per_head=True``.
+
 Budgets are fractions of the DOCUMENT's tokens in both settings, sent as an integer
 ``kv_budget = ceil(fraction * document tokens)``, so both settings (and kvpress) keep the same
 count of cached tokens out of the same document.
@@ -25,6 +30,7 @@ from pathlib import Path
 
 SETTINGS = ("full", "query_aware", "query_agnostic")
 FULL = "full"
+POSITIONAL = (FULL, "streaming")  # methods that keep by position only
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Cell:
     chat: bool
     window: int = 0  # snapkv observation window (0: not applicable)
     engine: str = "vllm"  # "vllm" (this project) or "kvpress" (the reference)
+    per_head: bool = True  # False: one ranking per layer (kv_per_head: false)
 
     def __post_init__(self) -> None:
         if self.setting not in SETTINGS:
@@ -50,14 +57,19 @@ class Cell:
             raise ValueError("the full cache is setting 'full' with pipeline 'full'")
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget}")
+        if not self.per_head and self.pipeline in POSITIONAL:
+            raise ValueError(f"{self.pipeline!r} ranks nothing: per_head=False does not apply")
 
     @property
     def method(self) -> str:
-        """``pipeline/scorer`` (``+w<window>`` for snapkv), e.g. ``snapkv/obcache_key+w16``."""
+        """``pipeline/scorer`` (``+w<window>`` for snapkv, ``/shared`` for one ranking per
+        layer), e.g. ``snapkv/obcache_key+w16`` or ``tova/attn/shared``."""
         if self.pipeline == FULL:
             return FULL
         name = self.pipeline if self.pipeline == "streaming" else f"{self.pipeline}/{self.scorer}"
-        return f"{name}+w{self.window}" if self.pipeline == "snapkv" else name
+        if self.pipeline == "snapkv":
+            name = f"{name}+w{self.window}"
+        return name if self.per_head else f"{name}/shared"
 
     @property
     def key(self) -> str:
@@ -77,6 +89,8 @@ class Cell:
             args["kv_window"] = self.window
         if self.setting == "query_agnostic":
             args["kv_compress_at"] = document_tokens
+        if not self.per_head:
+            args["kv_per_head"] = False
         return args
 
 

@@ -30,6 +30,17 @@ def _csv(kind):
     return parse
 
 
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(text)
+
+
+_bool.__name__ = "bool"
+
+
 def _grid_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
     p.add_argument("--tasks", type=_csv(str), default=list(TASK_NAMES), help="comma-separated")
@@ -44,6 +55,9 @@ def _grid_options(p: argparse.ArgumentParser) -> None:
                    help="fractions of the document's tokens")
     p.add_argument("--settings", type=_csv(str), default=list(grid_mod.EVICTION_SETTINGS))
     p.add_argument("--windows", type=_csv(int), default=[64], help="snapkv windows")
+    p.add_argument("--per-head", dest="per_heads", type=_csv(_bool), default=[True],
+                   help="token selection: true = per KV head, false = one ranking per layer "
+                   "(kv_per_head); e.g. true,false")
     p.add_argument("--no-full", dest="full", action="store_false",
                    help="skip the full-cache cells")
     p.add_argument("--model", default=None, help="HF model directory (default: the default model)")
@@ -75,7 +89,8 @@ def _cells(args, engine: str):
     return grid_mod.grid(
         tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
         chat=args.chat, pipelines=args.pipelines, scorers=args.scorers, budgets=args.budgets,
-        settings=args.settings, windows=args.windows, full=args.full, engine=engine,
+        settings=args.settings, windows=args.windows, per_heads=args.per_heads, full=args.full,
+        engine=engine,
     )  # fmt: skip
 
 

@@ -7,6 +7,10 @@ from collections.abc import Sequence
 
 from obcache_vllm.eval.cells import FULL, Cell
 
+# How kvpress 0.5.5 selects, per press: SnapKV and ObservedAttention rank per KV head, TOVA
+# averages the last query's attention over all heads (one ranking per layer).
+KVPRESS_PER_HEAD = {"snapkv": True, "h2o": True, "tova": False}
+
 PIPELINES = ("snapkv", "h2o", "tova", "streaming")
 SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint")
 BUDGETS = (0.1, 0.2, 0.3, 0.5)
@@ -25,13 +29,15 @@ def grid(
     budgets: Sequence[float] = BUDGETS,
     settings: Sequence[str] = EVICTION_SETTINGS,
     windows: Sequence[int] = (64,),
+    per_heads: Sequence[bool] = (True,),
     full: bool = True,
     engine: str = "vllm",
 ) -> list[Cell]:
     """Full-cache cells first (if ``full``), then every eviction cell of the product.
 
     ``streaming`` has no score, so it gets one cell per budget and setting (scorer ``-``), and
-    ``windows`` only multiply ``snapkv`` cells.
+    ``windows`` only multiply ``snapkv`` cells. ``per_heads`` multiply ranked cells; kvpress
+    cells ignore it and get the selection their press implements (:data:`KVPRESS_PER_HEAD`).
     """
     common = dict(samples=samples, seed=seed, chat=chat, engine=engine)
     cells = []
@@ -42,9 +48,9 @@ def grid(
             if pipeline == "streaming":
                 cells.append(Cell(task, length, setting, pipeline, "-", budget, **common))
                 continue
-            for scorer in scorers:
+            selections = (KVPRESS_PER_HEAD[pipeline],) if engine == "kvpress" else per_heads
+            for scorer, per_head in itertools.product(scorers, selections):
                 for w in windows if pipeline == "snapkv" else (0,):
-                    cells.append(
-                        Cell(task, length, setting, pipeline, scorer, budget, window=w, **common)
-                    )
+                    cells.append(Cell(task, length, setting, pipeline, scorer, budget, window=w,
+                                      per_head=per_head, **common))  # fmt: skip
     return cells

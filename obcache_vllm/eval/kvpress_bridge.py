@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from obcache_vllm.eval.cells import FULL, Cell, append_result, kept_tokens
+from obcache_vllm.eval.grid import KVPRESS_PER_HEAD
 from obcache_vllm.eval.harness import BLOCK_SIZE, MAX_TOKENS, Harness, file_lock, summarize
 
 RUNNER = Path(__file__).with_name("kvpress_runner.py")
@@ -61,6 +62,9 @@ def run_kvpress(
     for cell in tqdm(todo, desc="kvpress cells", unit="cell"):
         if cell.pipeline != FULL and cell.scorer not in ("attn", "-"):
             raise SystemExit(f"kvpress has no scorer {cell.scorer!r} (only attn and streaming)")
+        if KVPRESS_PER_HEAD.get(cell.pipeline, True) != cell.per_head:
+            raise SystemExit(f"kvpress's {cell.pipeline} press does not select with "
+                             f"per_head={cell.per_head}")  # fmt: skip
         prompts = harness.prompts(cell)
         requests = [kvpress_request(cell, p, str(i)) for i, p in enumerate(prompts)]
         with tempfile.TemporaryDirectory() as tmp:

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from obcache_vllm.eval.cells import FULL, load_results
+from obcache_vllm.eval.cells import FULL, Cell, load_results
 
 Z95 = 1.959963984540054
 
@@ -53,12 +53,13 @@ def summarize(records: Sequence[dict]) -> list[dict]:
         lo, hi = interval(r["scores"])
         rows.append({
             **cell,
-            "method": _method(cell),
+            "method": Cell(**cell).method,
             "n": len(r["scores"]),
             "accuracy": r["accuracy"],
             "ci95": [round(lo, 4), round(hi, 4)],
             "document_tokens_mean": r["document_tokens_mean"],
             "kept_tokens_mean": r["kept_tokens_mean"],
+            "scores": r["scores"],
         })  # fmt: skip
     key = ("engine", "task", "length", "setting", "method", "budget")
     return sorted(rows, key=lambda row: tuple(str(row[k]) for k in key))
@@ -76,13 +77,65 @@ def largest_samples(rows: Sequence[dict]) -> list[dict]:
                                      r["method"], r["budget"], r["seed"], r["chat"])] is r]
 
 
-def _method(cell: dict) -> str:
-    if cell["pipeline"] == FULL:
-        return FULL
-    name = cell["pipeline"] if cell["pipeline"] == "streaming" else (
-        f"{cell['pipeline']}/{cell['scorer']}"
-    )
-    return f"{name}+w{cell['window']}" if cell["pipeline"] == "snapkv" else name
+def paired_difference(
+    base: Sequence[float], other: Sequence[float], resamples: int = 2000, seed: int = 0
+) -> dict:
+    """``other - base`` on the same samples: mean, 95 % paired-bootstrap CI, samples where
+    ``other`` scored higher / lower, and the two-sided exact sign-test p-value over those.
+
+    Pairing removes the between-sample variance (most samples are easy or hard for every
+    method), so it resolves differences that two independent intervals cannot.
+    """
+    if len(base) != len(other) or not base:
+        raise ValueError("paired scores need equal, non-zero lengths")
+    diffs = [o - b for b, o in zip(base, other, strict=True)]
+    n = len(diffs)
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
+    better, worse = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    m, k = better + worse, min(better, worse)
+    p = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2**m) if m else 1.0
+    return {
+        "difference": sum(diffs) / n,
+        "ci95": (means[int(0.025 * resamples)], means[min(resamples - 1, int(0.975 * resamples))]),
+        "better": better,
+        "worse": worse,
+        "p_sign": p,
+    }
+
+
+def paired_against(rows: Sequence[dict], baseline: str = "attn") -> list[str]:
+    """Each scorer against ``baseline`` within the same pipeline, selection, budget, setting
+    and samples (Markdown table lines; empty if no such pairs)."""
+
+    def group(r):
+        return (r["engine"], r["task"], r["length"], r["setting"], r["pipeline"], r["window"],
+                r["per_head"], r["budget"], r["n"], r["seed"], r["chat"])  # fmt: skip
+
+    base = {group(r): r for r in rows if r["scorer"] == baseline}
+    pairs = [(base[group(r)], r) for r in rows
+             if r["scorer"] not in (baseline, "-") and group(r) in base]  # fmt: skip
+    if not pairs:
+        return []
+    out = [f"## Scorers against `{baseline}`, paired on the same samples", "",
+           f"Difference = scorer - {baseline} accuracy on the same samples, 95 % paired-bootstrap "
+           "CI; better/worse = samples where the scorer scored higher/lower; p = two-sided exact "
+           "sign test over those.", "",
+           "| engine | task | length | setting | pipeline | budget | n | scorer | accuracy | "
+           f"{baseline} | difference [95 % CI] | better / worse | p |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    pairs.sort(key=lambda p: tuple(str(x) for x in (*group(p[1]), p[1]["scorer"])))
+    for b, r in pairs:
+        d = paired_difference(b["scores"], r["scores"])
+        pipeline = Cell(**{k: r[k] for k in Cell.__dataclass_fields__}).method.replace(
+            f"/{r['scorer']}", ""
+        )
+        out.append(f"| {r['engine']} | {r['task']} | {r['length']} | {r['setting']} | "
+                   f"{pipeline} | {r['budget']:.0%} | {r['n']} | {r['scorer']} | "
+                   f"{r['accuracy']:.2f} | {b['accuracy']:.2f} | {d['difference']:+.2f} "
+                   f"[{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}] | {d['better']} / {d['worse']} "
+                   f"| {d['p_sign']:.2g} |")  # fmt: skip
+    return out + [""]
 
 
 def _fmt(row: dict) -> str:
@@ -124,7 +177,7 @@ def markdown(rows: Sequence[dict]) -> str:
             cells = [_fmt(by_method[method][b]) if b in by_method[method] else "" for b in budgets]
             out.append(f"| {method} | " + " | ".join(cells) + " |")
         out.append("")
-    return "\n".join(out + comparison(all_rows))  # fmt: skip
+    return "\n".join(out + paired_against(rows) + comparison(all_rows))  # fmt: skip
 
 
 def comparison(rows: Sequence[dict]) -> list[str]:
@@ -138,13 +191,15 @@ def comparison(rows: Sequence[dict]) -> list[str]:
     if not pairs:
         return []
     out = ["## obcache-vllm (vLLM) vs kvpress 0.5.5 (HF), same samples, same kept counts", "",
-           "| task | length | setting | method | budget | n | kept (mean) | vLLM | kvpress |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| task | length | setting | method | budget | n | kept (mean) | vLLM | kvpress "
+           "| vLLM - kvpress, paired [95 % CI] |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mine, theirs in pairs:
+        d = paired_difference(theirs["scores"], mine["scores"])
         out.append(f"| {mine['task']} | {mine['length']} | {mine['setting']} | {mine['method']} "
                    f"| {mine['budget']:.0%} | {mine['n']} | {mine['kept_tokens_mean']:.0f} "
-                   f"| {_fmt(mine)} "
-                   f"| {_fmt(theirs)} |")
+                   f"| {_fmt(mine)} | {_fmt(theirs)} "
+                   f"| {d['difference']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}] |")
     return out + [""]  # fmt: skip
 
 

@@ -111,6 +111,11 @@ def test_cell_extra_args_per_setting():
     }  # fmt: skip
     assert _cell(setting="full", pipeline="full", scorer="-", budget=1.0).extra_args(500) is None
     assert aware.method == "snapkv/obcache_key+w16"
+    shared = _cell(pipeline="tova", window=0, per_head=False)
+    assert shared.extra_args(500)["kv_per_head"] is False
+    assert "kv_per_head" not in aware.extra_args(500)
+    assert shared.method == "tova/obcache_key/shared"
+    assert shared.key != _cell(pipeline="tova", window=0).key
 
 
 def test_cell_validation():
@@ -120,6 +125,8 @@ def test_cell_validation():
         _cell(setting="full")
     with pytest.raises(ValueError, match="budget"):
         _cell(budget=0.0)
+    with pytest.raises(ValueError, match="ranks nothing"):
+        _cell(pipeline="streaming", scorer="-", window=0, per_head=False)
 
 
 def test_kept_tokens_follows_the_block_rule():
@@ -153,6 +160,18 @@ def test_grid_counts_streaming_once_and_windows_for_snapkv_only():
     assert all(c.scorer == "-" for c in cells if c.pipeline == "streaming")
 
 
+def test_grid_per_head_multiplies_ranked_cells_and_kvpress_follows_its_presses():
+    common = dict(tasks=["niah_single"], lengths=[512], samples=2, seed=0, chat=True,
+                  budgets=[0.5], settings=["query_aware"], scorers=["attn"], full=False)
+    both = grid.grid(per_heads=(True, False), **common)
+    assert len(both) == 3 * 2 + 1  # snapkv, h2o, tova twice; streaming once
+    assert {c.per_head for c in both if c.pipeline == "streaming"} == {True}
+    kvpress = grid.grid(per_heads=(True, False), engine="kvpress", **common)
+    assert {c.pipeline: c.per_head for c in kvpress} == {
+        "snapkv": True, "h2o": True, "tova": False, "streaming": True,
+    }  # fmt: skip
+
+
 # --- report ------------------------------------------------------------------------------------
 
 
@@ -170,6 +189,19 @@ def test_bootstrap_interval_brackets_the_mean_and_is_deterministic():
     assert lo < 0.5 < hi and (lo, hi) == report.bootstrap(scores)
     assert report.interval([1.0, 0.0, 1.0]) == report.wilson(2, 3)
     assert report.interval([0.5, 1.0]) == report.bootstrap([0.5, 1.0])
+
+
+def test_paired_difference_known_values():
+    d = report.paired_difference([0, 0, 0, 0, 1], [1, 1, 1, 0, 0])
+    assert d["difference"] == pytest.approx(0.4)
+    assert (d["better"], d["worse"]) == (3, 1)
+    assert d["p_sign"] == pytest.approx(2 * (1 + 4) / 16)  # P(X <= 1), X ~ Bin(4, 1/2), twice
+    lo, hi = d["ci95"]
+    assert -1 <= lo <= 0.4 <= hi <= 1
+    same = report.paired_difference([1, 0, 1], [1, 0, 1])
+    assert same["difference"] == 0 and same["p_sign"] == 1.0 and same["ci95"] == (0, 0)
+    with pytest.raises(ValueError):
+        report.paired_difference([1], [1, 0])
 
 
 def test_write_report(tmp_path):
@@ -204,4 +236,15 @@ def test_tables_show_the_largest_run_and_comparison_pairs_equal_samples(tmp_path
     report.write_report(tmp_path)
     md = (tmp_path / "RESULTS.md").read_text()
     assert "| snapkv/obcache_key+w16 | 0.75 [0.47, 0.91] |" in md  # n = 12 in the vllm table
-    assert "| 20% | 8 | nan | 0.50 [0.22, 0.78] | 0.62 [0.31, 0.86] |" in md  # n = 8 pairs
+    assert "| 20% | 8 | nan | 0.50 [0.22, 0.78] | 0.62 [0.31, 0.86] | -0.12 [" in md  # n = 8 pairs
+
+
+def test_report_pairs_scorers_with_attn_on_the_same_samples(tmp_path):
+    path = tmp_path / "results.jsonl"
+    append_result(path, _cell(scorer="attn", samples=4), _record([0.0, 0.0, 1.0, 1.0]))
+    append_result(path, _cell(samples=4), _record([1.0, 1.0, 1.0, 0.0]))
+    append_result(path, _cell(samples=4, window=64), _record([1.0] * 4))  # no attn partner
+    report.write_report(tmp_path)
+    md = (tmp_path / "RESULTS.md").read_text()
+    lines = [line for line in md.splitlines() if "| obcache_key | 0.75 | 0.50 |" in line]
+    assert len(lines) == 1 and "snapkv+w16" in lines[0] and "| 2 / 1 |" in lines[0], md
