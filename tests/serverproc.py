@@ -55,7 +55,8 @@ class Server:
             return json.loads(resp.read())
 
     def post_json(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
-        """POST ``body``; (status, decoded JSON) for success and error statuses alike."""
+        """POST ``body``; (status, decoded JSON) for success and error statuses alike
+        (``{"raw": text}`` when the body is not JSON)."""
         req = urllib.request.Request(
             f"{self.url}{path}",
             data=json.dumps(body).encode(),
@@ -63,9 +64,13 @@ class Server:
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read())
+                status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+            status, raw = exc.code, exc.read()
+        try:
+            return status, json.loads(raw)
+        except json.JSONDecodeError:  # e.g. an event stream where an error was expected
+            return status, {"raw": raw.decode(errors="replace")}
 
     def metrics(self) -> Metrics:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:
