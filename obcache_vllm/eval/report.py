@@ -12,6 +12,7 @@ import math
 import random
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from obcache_vllm.eval.cells import FULL, Cell, load_results
@@ -49,7 +50,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     """One row per cell: its fields, accuracy, CI, token counts; sorted for stable output."""
     rows = []
     for r in records:
-        cell = r["cell"]
+        cell = asdict(Cell(**r["cell"]))  # fields added later (per_head) get their defaults
         lo, hi = interval(r["scores"])
         rows.append({
             **cell,

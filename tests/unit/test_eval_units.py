@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import asdict
 
 import pytest
 
@@ -237,6 +238,14 @@ def test_tables_show_the_largest_run_and_comparison_pairs_equal_samples(tmp_path
     md = (tmp_path / "RESULTS.md").read_text()
     assert "| snapkv/obcache_key+w16 | 0.75 [0.47, 0.91] |" in md  # n = 12 in the vllm table
     assert "| 20% | 8 | nan | 0.50 [0.22, 0.78] | 0.62 [0.31, 0.86] | -0.12 [" in md  # n = 8 pairs
+
+
+def test_report_reads_records_written_before_per_head_existed(tmp_path):
+    old = {k: v for k, v in asdict(_cell(samples=2)).items() if k != "per_head"}
+    (tmp_path / "results.jsonl").write_text(json.dumps({"cell": old, **_record([1.0, 0.0])}))
+    report.write_report(tmp_path)
+    (row,) = json.loads((tmp_path / "results.json").read_text())
+    assert row["per_head"] is True and row["method"] == "snapkv/obcache_key+w16"
 
 
 def test_report_pairs_scorers_with_attn_on_the_same_samples(tmp_path):
