@@ -18,6 +18,9 @@ def _cells(settings):
         Cell(setting=s, pipeline="tova", scorer="obcache_key", budget=0.5, **common)
         for s in settings
     ]
+    # One ranking per layer (kv_per_head: false), as kvpress's TOVA selects.
+    cells.append(Cell(setting="query_aware", pipeline="tova", scorer="attn", budget=0.5,
+                      per_head=False, **common))  # fmt: skip
     return cells
 
 
@@ -44,7 +47,10 @@ def test_harness_runs_cells_through_the_engine_and_resumes(engine, model_path, t
         doc = record["document_tokens_mean"]
         assert 0.5 * doc <= record["kept_tokens_mean"] < record["prompt_tokens_mean"]
     lines = results.read_text().splitlines()
-    assert [json.loads(line)["cell"]["setting"] for line in lines] == ["full", *settings]
+    assert [json.loads(line)["cell"]["setting"] for line in lines] == [
+        "full", *settings, "query_aware",
+    ]  # fmt: skip
+    assert written[-1]["cell"]["per_head"] is False
 
     # Resume: a second run (a new harness on the same file) computes nothing.
     again = Harness(results, model=str(model_path), llm=engine.llm, progress=False)

@@ -76,14 +76,15 @@ def _idle(server: Server) -> Metrics | None:
 
 
 def test_config_endpoint_lists_scorers_pipelines_and_defaults(server: Server) -> None:
-    from obcache_vllm.config import BUILTIN_DEFAULTS
+    from obcache_vllm.config import load_defaults
     from obcache_vllm.scoring import PIPELINE_NAMES, SCORER_NAMES
 
     doc = server.get_json("/v1/obcache/config")
     assert doc["scorers"] == list(SCORER_NAMES)
     assert doc["pipelines"] == list(PIPELINE_NAMES)
-    # The test server runs with configs/default.yaml, which holds the built-in defaults.
-    assert doc["defaults"] == BUILTIN_DEFAULTS
+    # The test server runs with configs/default.yaml (its content: tests/unit/test_server_config).
+    assert doc["defaults"] == load_defaults({})
+    assert doc["defaults"]["kv_pipeline"] == "tova" and doc["defaults"]["kv_per_head"] is False
     assert doc["usage_field"] == "usage.obcache"
 
 
