@@ -217,7 +217,9 @@ def plot(rows: Sequence[dict], directory: Path) -> list[Path]:
     for engine, task, length in keys:
         mine = [r for r in rows if (r["engine"], r["task"], r["length"]) == (engine, task, length)]
         settings = sorted({r["setting"] for r in mine if r["pipeline"] != FULL})
-        fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings) + 2.5, 4.5),
+        n_methods = max(len({r["method"] for r in mine if r["setting"] == s}) for s in settings)
+        height = max(4.5, 0.17 * n_methods + 1.0)  # room for the legend
+        fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings) + 2.5, height),
                                  squeeze=False, sharey=True)  # fmt: skip
         full = [r for r in mine if r["pipeline"] == FULL]
         for ax, setting in zip(axes[0], settings, strict=True):
