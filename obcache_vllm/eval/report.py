@@ -50,11 +50,12 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     """One row per cell: its fields, accuracy, CI, token counts; sorted for stable output."""
     rows = []
     for r in records:
-        cell = asdict(Cell(**r["cell"]))  # fields added later (per_head) get their defaults
+        parsed = Cell(**r["cell"])  # fields added later (per_head) get their defaults
+        cell = asdict(parsed)
         lo, hi = interval(r["scores"])
         rows.append({
             **cell,
-            "method": Cell(**cell).method,
+            "method": parsed.method,
             "n": len(r["scores"]),
             "accuracy": r["accuracy"],
             "ci95": [round(lo, 4), round(hi, 4)],
@@ -90,15 +91,12 @@ def paired_difference(
     if len(base) != len(other) or not base:
         raise ValueError("paired scores need equal, non-zero lengths")
     diffs = [o - b for b, o in zip(base, other, strict=True)]
-    n = len(diffs)
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
     better, worse = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
     m, k = better + worse, min(better, worse)
     p = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2**m) if m else 1.0
     return {
-        "difference": sum(diffs) / n,
-        "ci95": (means[int(0.025 * resamples)], means[min(resamples - 1, int(0.975 * resamples))]),
+        "difference": sum(diffs) / len(diffs),
+        "ci95": bootstrap(diffs, resamples, seed),
         "better": better,
         "worse": worse,
         "p_sign": p,
