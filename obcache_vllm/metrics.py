@@ -74,6 +74,14 @@ REJECTED_REQUESTS = MetricSpec(
     ("field",),
 )
 
+EVICTION_FAILURES = MetricSpec(
+    "vllm:obcache_eviction_failures",
+    "counter",
+    "Eviction faults contained to one request, by stage (schedule, score, compact, report) and "
+    "reason; that request continued uncompressed or finished with an error.",
+    ("stage", "reason"),
+)
+
 METRICS: tuple[MetricSpec, ...] = (
     EVICTED_TOKENS,
     FREED_BLOCKS,
@@ -82,4 +90,5 @@ METRICS: tuple[MetricSpec, ...] = (
     RESIDENT_TOKENS,
     KEPT_RATIO,
     REJECTED_REQUESTS,
+    EVICTION_FAILURES,
 )
