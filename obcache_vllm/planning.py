@@ -20,13 +20,15 @@ price of freeing whole blocks; it costs no memory the request would not hold any
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Extra attributes carrying the messages: on SchedulerOutput (orders, dict req_id -> order) and
 # on ModelRunnerOutput (report). Both objects are pickled between EngineCore and worker
 # processes, and pickling keeps instance attributes.
 ORDERS_ATTR = "obcache_orders"
 REPORT_ATTR = "obcache_report"
+# On SchedulerOutput: requests whose eviction the scheduler stopped (the worker stops scoring).
+DISABLED_ATTR = "obcache_disabled"
 # EngineCoreOutput.kv_transfer_params key carrying a budgeted request's KV outcome to the
 # front-end, and the SchedulerStats field carrying the eviction counters (see vllm_ext).
 OUTCOME_KEY = "obcache"
@@ -66,11 +68,41 @@ class EvictionOrder:
 
 
 @dataclass(frozen=True)
+class RowState:
+    """A budgeted request's cumulative eviction state as the worker holds it after a step."""
+
+    dead: int
+    evictions: int
+    tokens_evicted: int
+    # Prompt tokens left by the prefill eviction (None: no prefill eviction yet).
+    kept_prompt: int | None = None
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """A fault contained to one request. ``fatal``: its cache is torn (some layers compacted,
+    others not), so the request must be finished with an error; otherwise it goes on
+    uncompressed. ``stage`` and ``reason`` label the failure counter."""
+
+    req_id: str
+    stage: str
+    reason: str
+    fatal: bool = False
+
+
+@dataclass(frozen=True)
 class EvictionReport:
-    """Worker -> scheduler: the orders of one step that the worker applied, with timing."""
+    """Worker -> scheduler, once per step with budgeted requests.
+
+    ``states`` holds the cumulative state of every budgeted request of the step, so the
+    scheduler can reconcile even after a lost report (it frees the dead blocks it has not freed
+    yet). ``applied``: the requests whose order of this step every attention layer applied.
+    """
 
     applied: tuple[str, ...]
     seconds: float
+    states: dict[str, RowState] = field(default_factory=dict)
+    failures: tuple[RowFailure, ...] = ()
 
 
 def plan_eviction(

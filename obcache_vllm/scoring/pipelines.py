@@ -35,6 +35,8 @@ class Pipeline:
     name: ClassVar[str]
     # Decode-time accumulation of per-step scores: "sum", "last", or None (no decode scoring).
     running_mode: ClassVar[Literal["sum", "last"] | None]
+    # False: the pipeline never calls its scorer (its selection ignores scores).
+    scored: ClassVar[bool] = True
 
     per_head: bool = True
 
@@ -206,6 +208,7 @@ class Streaming(Pipeline):
 
     name = "streaming"
     running_mode = None
+    scored = False
 
     @property
     def window(self) -> int:

@@ -7,9 +7,11 @@ rather than silently compacting KV through a changed interface. Then, process-lo
 
 * ``SchedulerConfig.get_scheduler_cls``: where vLLM would use its synchronous ``Scheduler``,
   use :class:`~obcache_vllm.vllm_ext.scheduler.OBCacheScheduler` (EngineCore process).
-* ``cpu_worker.CPUModelRunner`` -> :class:`~obcache_vllm.vllm_ext.runner.OBCacheCPUModelRunner`
-  (worker process; the CPU worker builds its runner by this module-global name).
-* ``AttentionBackendEnum.CPU_ATTN`` -> :class:`~obcache_vllm.vllm_ext.backend.OBCacheCPUBackend`.
+* ``cpu_worker.CPUModelRunner`` ->
+  :class:`~obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUModelRunner` (worker process; the CPU
+  worker builds its runner by this module-global name).
+* ``AttentionBackendEnum.CPU_ATTN`` ->
+  :class:`~obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUBackend`.
 * ``InputProcessor.process_inputs``: kv_* options are validated in the front-end, before the
   request reaches the engine (``VLLMValidationError`` -> HTTP 400), including configurations
   that cannot evict (they refuse budgeted requests only).
@@ -435,9 +437,9 @@ def install() -> None:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
         from vllm.v1.worker import cpu_worker
 
-        from obcache_vllm.vllm_ext.runner import OBCacheCPUModelRunner
+        from obcache_vllm.vllm_ext.backends.cpu import OBCacheCPUModelRunner
 
         cpu_worker.CPUModelRunner = OBCacheCPUModelRunner
         register_backend(
-            AttentionBackendEnum.CPU_ATTN, "obcache_vllm.vllm_ext.backend.OBCacheCPUBackend"
+            AttentionBackendEnum.CPU_ATTN, "obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUBackend"
         )

@@ -32,23 +32,32 @@ Block accounting is decided here alone; the worker only chooses which tokens sur
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
 from obcache_vllm.options import KvOptions, parse_validated_kv_options
 from obcache_vllm.planning import (
+    DISABLED_ATTR,
     ORDERS_ATTR,
     OUTCOME_KEY,
     REPORT_ATTR,
     STATS_ATTR,
+    EvictionOrder,
     plan_eviction,
 )
+from obcache_vllm.vllm_ext import faults
 
 logger = logging.getLogger(__name__)
+
+class BlockNotWritableError(RuntimeError):
+    """A block that would receive kept tokens is shared or in the prefix cache."""
+
 
 # Bound on what waits for the next make_stats (it runs every step when stats are on).
 _PENDING_MAX = 4096
@@ -68,6 +77,9 @@ class SchedKvState:
     blocks_freed: int = 0
     # Prompt tokens left after the prefill eviction (None: not evicted at prefill).
     kept_prompt: int | None = None
+    # Why eviction stopped for this request ("stage: reason"); it then runs uncompressed.
+    disabled: str | None = None
+    fault: faults.Fault | None = None  # test-only (faults.py)
 
     def outcome(self, resident: int) -> dict:
         """The request's KV outcome as reported to the client (``usage.obcache``)."""
@@ -80,6 +92,7 @@ class SchedKvState:
             "budget": self.options.budget,
             "scorer": self.options.scorer,
             "pipeline": self.options.pipeline,
+            **({"fault": self.disabled} if self.disabled is not None else {}),
         }
 
 
@@ -107,6 +120,10 @@ class SchedulerEvictionTotals:
     blocks_freed: int = 0
     orders_not_applied: int = 0
     scoring_seconds: float = 0.0
+    # Contained faults: (stage, reason) -> count (vllm:obcache_eviction_failures_total).
+    failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Requests finished with an error because their cache was torn.
+    failed_requests: int = 0
 
 
 class OBCacheScheduler(Scheduler):
@@ -147,37 +164,60 @@ class OBCacheScheduler(Scheduler):
         if options is not None:
             request.skip_reading_prefix_cache = True
             self.obcache_states[request.request_id] = SchedKvState(
-                options=options, prompt_len=request.num_prompt_tokens
+                options=options,
+                prompt_len=request.num_prompt_tokens,
+                fault=faults.requested(params.extra_args),
             )
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
-        orders = {}
+        orders, disabled = {}, []
         for req_id in output.num_scheduled_tokens:  # values change below, keys do not
             state = self.obcache_states.get(req_id)
-            if state is None:
+            if state is None or state.disabled is not None:
                 continue
-            request = self.requests[req_id]
-            if not state.compressed:
-                point = state.options.compress_point(state.prompt_len)
-                self._cut_chunk_at(output, request, point)
-                if request.num_computed_tokens < point:
-                    continue
-                state.compressed = True
-            elif not state.options.decode or request.is_prefill_chunk:
+            try:
+                order = self._plan_request(output, self.requests[req_id], state)
+            except Exception as exc:  # contained: this request goes on uncompressed
+                reason = "injected" if isinstance(exc, faults.InjectedFault) else type(exc).__name__
+                self._contain(req_id, state, "schedule", reason, str(exc), torn=False)
+                disabled.append(req_id)
                 continue
-            order = plan_eviction(
-                logical_len=request.num_computed_tokens,
-                budget=state.options.budget,
-                dead_blocks=state.dead,
-                block_size=self.block_size,
-            )
             if order is not None:
-                self._check_writable(req_id, order)
                 orders[req_id] = order
         setattr(output, ORDERS_ATTR, orders)
+        if disabled:
+            setattr(output, DISABLED_ATTR, tuple(disabled))
         return output
+
+    def _plan_request(self, output, request, state: SchedKvState) -> EvictionOrder | None:
+        """This step's order for one budgeted request, or None (may cut its prefill chunk)."""
+        if not state.compressed:
+            point = state.options.compress_point(state.prompt_len)
+            self._cut_chunk_at(output, request, point)
+            if request.num_computed_tokens < point:
+                return None
+        elif not state.options.decode or request.is_prefill_chunk:
+            return None
+        order = plan_eviction(
+            logical_len=request.num_computed_tokens,
+            budget=state.options.budget,
+            dead_blocks=state.dead,
+            block_size=self.block_size,
+        )
+        state.compressed = True
+        if order is None:
+            return None
+        fault = state.fault if state.fault and state.fault.stage in ("schedule", "desync") else None
+        if fault is not None:
+            state.fault = None  # one shot
+            if fault.stage == "schedule":
+                raise faults.InjectedFault("schedule")
+        self._check_writable(request.request_id, order)
+        if fault is not None:  # "desync": an order the worker must refuse
+            return dataclasses.replace(order, logical_len=order.logical_len + 1)
+        return order
 
     @staticmethod
     def _cut_chunk_at(output, request, point: int) -> None:
@@ -205,7 +245,7 @@ class OBCacheScheduler(Scheduler):
         last = -(-order.logical_len // order.block_size)
         for block in blocks[order.dead_after : last]:
             if not pool.is_block_writable(block):
-                raise RuntimeError(
+                raise BlockNotWritableError(
                     f"request {req_id}: block {block.block_id} is shared or cached; "
                     "refusing to compact into it"
                 )
@@ -213,49 +253,98 @@ class OBCacheScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         orders = getattr(scheduler_output, ORDERS_ATTR, None) or {}
         report = getattr(model_runner_output, REPORT_ATTR, None)
-        applied = set(report.applied) if report is not None else set()
-        if report is not None:
+        self._obcache_step_outcomes = {}
+        torn: list[str] = []
+        if report is None:
+            for req_id in orders:  # the worker's report of these orders is missing
+                self.obcache_totals.orders_not_applied += 1
+                self._count_failure("report", "missing")
+                logger.warning(
+                    "obcache: no eviction report for request %s; its blocks are freed when "
+                    "a later report shows the worker's state",
+                    req_id,
+                )
+        else:
             self.obcache_totals.scoring_seconds += report.seconds
             if report.applied:
                 self._obcache_pending_seconds.append(report.seconds)
-        self._obcache_step_outcomes = {}
-        for req_id, order in orders.items():
-            state = self.obcache_states.get(req_id)
-            request = self.requests.get(req_id)
-            if req_id not in applied:
-                self.obcache_totals.orders_not_applied += 1
-                logger.warning("eviction order for %s was not applied by the worker", req_id)
-                continue
-            if (
-                state is None
-                or request is None
-                or request.status != RequestStatus.RUNNING
-                or state.dead != order.dead_before
-            ):
-                continue
-            self._obcache_manager._remove_blocks_in_range(
-                req_id, order.dead_before, order.dead_after
-            )
-            if state.evictions == 0 and order.logical_len <= state.prompt_len:
-                # The prefill eviction; with kv_compress_at the rest of the prompt is kept.
-                state.kept_prompt = order.kept + state.prompt_len - order.logical_len
-            state.dead = order.dead_after
-            state.evictions += 1
-            state.tokens_evicted += order.tokens_evicted
-            state.blocks_freed += order.blocks_freed
-            totals = self.obcache_totals
-            totals.evictions += 1
-            totals.tokens_evicted += order.tokens_evicted
-            totals.blocks_freed += order.blocks_freed
-            key = (state.options.scorer, state.options.pipeline)
-            per_option = self.obcache_by_option.setdefault(key, [0, 0, 0])
-            per_option[0] += order.tokens_evicted
-            per_option[1] += order.blocks_freed
-            per_option[2] += 1
+            for req_id, row in report.states.items():
+                self._reconcile(req_id, row)
+            for failure in report.failures:
+                state = self.obcache_states.get(failure.req_id)
+                if state is not None:
+                    self._contain(
+                        failure.req_id, state, failure.stage, failure.reason, "worker",
+                        torn=failure.fatal,
+                    )  # fmt: skip
+                if failure.fatal:
+                    torn.append(failure.req_id)
+        errored = self.finish_requests(torn, RequestStatus.FINISHED_ERROR) if torn else []
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request in errored:  # as vLLM reports its own per-request errors
+            eco = outputs.get(request.client_index)
+            if eco is None:
+                eco = outputs[request.client_index] = EngineCoreOutputs()
+            eco.outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    events=request.take_events(),
+                    trace_headers=request.trace_headers,
+                )
+            )
         if self.obcache_states or self._obcache_step_outcomes:
             self._attach_outcomes(outputs)
         return outputs
+
+    def _reconcile(self, req_id: str, row) -> None:
+        """Adopt the worker's cumulative state of a request: free the head blocks it has
+        compacted away and that are not free yet (this step's order, or one whose report was
+        lost), and account its evictions. Only for a running request."""
+        state = self.obcache_states.get(req_id)
+        request = self.requests.get(req_id)
+        if state is None or request is None or request.status != RequestStatus.RUNNING:
+            return
+        per_option = self.obcache_by_option.setdefault(
+            (state.options.scorer, state.options.pipeline), [0, 0, 0]
+        )
+        totals = self.obcache_totals
+        if row.dead > state.dead:
+            self._obcache_manager._remove_blocks_in_range(req_id, state.dead, row.dead)
+            freed = row.dead - state.dead
+            state.blocks_freed += freed
+            totals.blocks_freed += freed
+            per_option[1] += freed
+        new_tokens = row.tokens_evicted - state.tokens_evicted
+        new_events = row.evictions - state.evictions
+        if new_tokens or new_events:
+            per_option[0] += new_tokens
+            per_option[2] += new_events
+            totals.tokens_evicted += new_tokens
+            totals.evictions += new_events
+        state.dead = row.dead
+        state.evictions = row.evictions
+        state.tokens_evicted = row.tokens_evicted
+        if row.kept_prompt is not None:
+            state.kept_prompt = row.kept_prompt
+
+    def _count_failure(self, stage: str, reason: str) -> None:
+        failures = self.obcache_totals.failures
+        failures[(stage, reason)] = failures.get((stage, reason), 0) + 1
+
+    def _contain(self, req_id, state: SchedKvState, stage, reason, detail, *, torn) -> None:
+        """Stop evicting one request after a fault: log it with its id and count it."""
+        self._count_failure(stage, reason)
+        state.disabled = f"{stage}: {reason}"
+        if torn:
+            self.obcache_totals.failed_requests += 1
+        logger.warning(
+            "obcache: eviction fault for request %s (stage=%s reason=%s; %s); %s",
+            req_id, stage, reason, detail,
+            "its cache is torn: finishing it with an error" if torn
+            else "it continues uncompressed",
+        )  # fmt: skip
 
     def _attach_outcomes(self, outputs) -> None:
         """Put each budgeted request's KV outcome on its output (see the module docstring)."""
@@ -289,6 +378,7 @@ class OBCacheScheduler(Scheduler):
                 STATS_ATTR,
                 {
                     "by_option": [[s, p, *v] for (s, p), v in self.obcache_by_option.items()],
+                    "failures": [[s, r, n] for (s, r), n in self.obcache_totals.failures.items()],
                     "seconds": seconds,
                     "finished": finished,
                 },

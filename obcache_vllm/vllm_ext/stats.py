@@ -80,8 +80,10 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         self.obcache_resident = made[metrics.RESIDENT_TOKENS.name]
         self.obcache_kept_ratio = made[metrics.KEPT_RATIO.name]
         self.obcache_rejected = made[metrics.REJECTED_REQUESTS.name]
+        self.obcache_failures = made[metrics.EVICTION_FAILURES.name]
         # Last cumulative totals seen per engine and (scorer, pipeline).
         self._obcache_seen: dict[tuple[int, str, str], tuple[int, int, int]] = {}
+        self._obcache_failures_seen: dict[tuple[int, str, str], int] = {}
         _live_rejections = self.obcache_rejected
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
@@ -102,6 +104,12 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
             for counter, new, old in zip(counters, now, seen, strict=True):
                 if new > old:
                     counter.labels(scorer=scorer, pipeline=pipeline).inc(new - old)
+        for stage, reason, count in payload.get("failures", ()):
+            key = (engine_idx, stage, reason)
+            seen = self._obcache_failures_seen.get(key, 0)
+            self._obcache_failures_seen[key] = count
+            if count > seen:
+                self.obcache_failures.labels(stage=stage, reason=reason).inc(count - seen)
         for seconds in payload.get("seconds", ()):
             self.obcache_seconds.observe(seconds)
         for resident, kept_prompt, prompt_len in payload.get("finished", ()):

@@ -2,7 +2,8 @@
 
 Lifecycle of :class:`RequestKvState` (one per budgeted request, in the worker process): created
 when the request first reaches the worker, reset when it is resumed after preemption (its KV is
-recomputed from scratch), dropped when it finishes or is aborted.
+recomputed from scratch), dropped when it finishes or is aborted. After a contained fault
+(:attr:`RequestKvState.disabled`) it is kept, but nothing scores or compacts it any more.
 
 Glossary: ``W`` window queries, ``N`` resident tokens, ``Hq``/``Hkv`` heads, ``D`` head dim.
 """
@@ -22,6 +23,48 @@ from obcache_vllm.scoring import Pipeline, RunningScores, Scorer
 DECODE_BUFFER = 64
 
 
+class QueryBuffer:
+    """Up to ``capacity`` queries [n, Hq, D] of one layer, preallocated on first use.
+
+    Appending copies into the buffer (no clone + concatenate per step); :meth:`take` returns a
+    view of what is buffered and empties it, so the view must be consumed before the next
+    append (the attention layer scores it immediately).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._buf: torch.Tensor | None = None  # [capacity, Hq, D]
+        self.count = 0
+
+    def append(self, q: torch.Tensor) -> bool:
+        """Copy q [n, Hq, D] in (keeping the newest ``capacity``); True once the buffer is full."""
+        n = q.shape[0]
+        if self._buf is None or self._buf.shape[1:] != q.shape[1:] or self._buf.device != q.device:
+            self._buf = q.new_empty((self.capacity, *q.shape[1:]))
+            self.count = 0
+        if n >= self.capacity:
+            self._buf.copy_(q[-self.capacity :])
+            self.count = self.capacity
+        else:
+            if self.count + n > self.capacity:  # drop the oldest to make room
+                keep = self.capacity - n
+                self._buf[:keep] = self._buf[self.count - keep : self.count].clone()
+                self.count = keep
+            self._buf[self.count : self.count + n].copy_(q)
+            self.count += n
+        return self.count >= self.capacity
+
+    def take(self) -> torch.Tensor | None:
+        """The buffered queries [count, Hq, D] (a view), or None if empty; empties the buffer."""
+        if self._buf is None or self.count == 0:
+            return None
+        view, self.count = self._buf[: self.count], 0
+        return view
+
+    def clear(self) -> None:
+        self.count = 0
+
+
 @dataclass
 class RequestKvState:
     """What the worker remembers about one budgeted request between steps."""
@@ -33,12 +76,16 @@ class RequestKvState:
     dead: int = 0
     # Last prompt queries per layer [<= W, Hq, D], kept across prefill chunks (window pipelines).
     queries: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Running scores per layer (h2o at prefill; every pipeline with kv_decode at decode).
+    # Running scores per layer (pipelines that score every prompt query; kv_decode at decode).
     running: dict[str, RunningScores] = field(default_factory=dict)
-    # Decode queries per layer [n, Hq, D] not yet folded into the running scores.
-    decode_queries: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Decode queries per layer not yet folded into the running scores.
+    decode_queries: dict[str, QueryBuffer] = field(default_factory=dict)
     evictions: int = 0
     tokens_evicted: int = 0
+    # Prompt tokens left by the prefill eviction (None: not evicted at prefill yet).
+    kept_prompt: int | None = None
+    # Why eviction stopped for this request ("stage: reason"), after a contained fault.
+    disabled: str | None = None
     # Debug/verification only (OBCACHE_VLLM_RECORD_KEEP=1): kept indices per layer [Hkv, K]
     # of the last eviction, relative to the resident tokens before it.
     record: dict[str, torch.Tensor] | None = None
@@ -51,16 +98,31 @@ class RequestKvState:
     def reset(self) -> None:
         """Forget everything: the request's KV is being recomputed from position 0."""
         self.dead = 0
+        self.kept_prompt = None
+        self.queries.clear()
+        self.running.clear()
+        for buffer in self.decode_queries.values():
+            buffer.clear()
+
+    def drop_scoring_state(self) -> None:
+        """Free the buffers of a request that will not be scored again (after a fault)."""
         self.queries.clear()
         self.running.clear()
         self.decode_queries.clear()
 
-    def buffer_decode_query(self, layer: str, q: torch.Tensor) -> bool:
-        """Append this step's decode query; True when the buffer must be scored now."""
-        prev = self.decode_queries.get(layer)
-        q = q.detach().clone()
-        self.decode_queries[layer] = q if prev is None else torch.cat([prev, q], dim=0)
-        return self.decode_queries[layer].shape[0] >= DECODE_BUFFER
+    def buffer_decode_query(self, layer: str, q: torch.Tensor, capacity: int) -> bool:
+        """Append this step's decode query; True when the buffer must be scored now.
+
+        ``capacity``: DECODE_BUFFER for summed scores; 1 where only the newest query counts.
+        """
+        buffer = self.decode_queries.get(layer)
+        if buffer is None:
+            buffer = self.decode_queries[layer] = QueryBuffer(capacity)
+        return buffer.append(q.detach())
+
+    def take_decode_queries(self, layer: str) -> torch.Tensor | None:
+        buffer = self.decode_queries.get(layer)
+        return None if buffer is None else buffer.take()
 
     def remember_queries(self, layer: str, q: torch.Tensor, window: int) -> None:
         """Keep the last ``window`` queries of the prompt seen so far (q [n, Hq, D])."""
@@ -71,12 +133,29 @@ class RequestKvState:
         self.queries[layer] = q[-window:].clone()
 
 
+@dataclass
+class RowOutcome:
+    """What happened to one budgeted row during the step (filled by the attention layers).
+
+    ``compacted_layers`` counts the layers that wrote the order's kept tokens; an order is
+    applied only when it equals the number of attention layers (none: the cache is as before;
+    some but not all: the request's cache is torn). ``failure`` is the first contained fault
+    ``(stage, reason, detail)``.
+    """
+
+    compacted_layers: int = 0
+    failure: tuple[str, str, str] | None = None
+    # True while one layer writes the order's kept tokens (a fault then tears that layer).
+    writing: bool = False
+
+
 @dataclass(frozen=True)
 class RowPlan:
     """One budgeted request in this step: where its queries are and what to do after attention.
 
     ``logical_len`` is the request's token count in the cache at the end of the step;
     ``prefill`` is True while prompt tokens are being computed (also the prompt's last chunk).
+    ``fault`` is a test-only injected fault (:mod:`obcache_vllm.vllm_ext.faults`), else None.
     """
 
     row: int
@@ -89,13 +168,22 @@ class RowPlan:
     prompt_len: int
     prefill: bool
     order: EvictionOrder | None
+    fault: object | None = None
+    outcome: RowOutcome = field(default_factory=RowOutcome)
+
+    @property
+    def num_resident(self) -> int:
+        """Tokens of the request in the cache at the end of the step (before any compaction)."""
+        return self.logical_len - self.state.dead * self.block_size
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepPlan:
     """Everything the attention path of one step needs; built by the model runner.
 
     ``dead`` [num_reqs] is each row's dead-block count *before* the step (the read shift).
+    ``read_block_table`` is set by the metadata builder: the block table the attention of this
+    step reads (each row already shifted past its dead blocks), in the backend's device memory.
     """
 
     dead: tuple[int, ...]
@@ -103,8 +191,9 @@ class StepPlan:
     block_size: int
     # Filled by the attention layers: seconds spent scoring and compacting in this step.
     timings: list[float] = field(default_factory=list)
-    # Flat cache offsets of each row's resident tokens (row -> (k, v)), shared by all layers.
-    offsets: dict = field(default_factory=dict)
+    read_block_table: torch.Tensor | None = None
+    # Attention layer name -> index in the model (fault injection by layer).
+    layer_index: dict[str, int] = field(default_factory=dict)
 
     @property
     def shifts_reads(self) -> bool:

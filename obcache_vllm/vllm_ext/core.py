@@ -1,0 +1,266 @@
+"""The backend-agnostic eviction core, and the seam every attention backend adapter fills.
+
+Data flow of one engine step (scheduler in EngineCore, everything else in the worker)::
+
+  OBCacheScheduler.schedule ──SchedulerOutput.obcache_orders──▶ EvictingRunnerMixin.execute_model
+        ▲                                                          │ 1. request states (lifecycle)
+        │                                                          │ 2. StepPlan: dead blocks per
+        │                                                          │    row, budgeted rows, orders
+        │                                                          ▼    checked against its state
+        │                                  builder.obcache_plan = plan (set around the build)
+        │                                                          │
+        │                       EvictingBuilderMixin.build: adapter.shift_reads(cm, plan)
+        │                       (read block table / seq lens skip each row's dead head blocks),
+        │                       plan.read_block_table, metadata.obcache_plan = plan
+        │                                                          │
+        │                 per layer: EvictingImplMixin.forward = backend attention, then
+        │                 evict_after_attention(plan, ..., adapter.kv_view(kv_cache))
+        │                 (remember / buffer queries, score, select, gather -> scatter by block)
+        │                                                          │
+        │                                                          ▼ 3. commit what every layer
+  update_from_output ◀──ModelRunnerOutput.obcache_report── sample_tokens  did; report states,
+  (free dead blocks in vLLM's pool; finish a torn request with an error; count faults)  faults
+
+No global or thread-local carries the plan: it rides on the scheduler output, on the builder
+for the duration of the build, and on the attention metadata every layer receives.
+
+An adapter (one module per backend in :mod:`obcache_vllm.vllm_ext.backends`) supplies only:
+
+(a) :class:`KvCacheView`: one layer's paged cache as that backend lays it out; gathers a
+    request's K/V for its first ``N`` resident slots, and scatters compacted rows back, both by
+    block id (whole blocks, never a per-element index of size [Hkv, N, D]);
+(b) :meth:`BackendAdapter.shift_reads`: how that backend's read metadata skips dead blocks;
+(c) :meth:`BackendAdapter.unsupported_reason`: which configurations it refuses.
+
+Everything else (which queries to keep, when to score, selection, compaction orders, fault
+containment) is here and in the runner mixin, and never looks at pipeline names: it asks the
+pipeline object (``window``, ``running_mode``, ``scored``).
+
+Fault containment (see :class:`~obcache_vllm.vllm_ext.step.RowOutcome`): an exception while
+one row is scored or compacted in one layer is caught here, recorded on the row, and the row is
+skipped by the remaining layers. The runner then decides: nothing written -> the request goes
+on uncompressed; every layer written -> committed; some layers written -> the cache is torn,
+and the scheduler finishes that request alone with an error.
+
+Glossary: ``n`` queries of a request in this step, ``N`` resident tokens, ``K`` kept per head,
+``Hq``/``Hkv`` heads, ``D`` head dim, ``bs`` block size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Protocol
+
+import torch
+from vllm.v1.attention.backend import AttentionType
+
+from obcache_vllm.scoring import HeadGeometry, RunningScores
+from obcache_vllm.vllm_ext.faults import InjectedFault
+from obcache_vllm.vllm_ext.step import DECODE_BUFFER, RowPlan, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class KvCacheView(Protocol):
+    """One attention layer's paged KV cache, in one backend's layout (adapter part (a))."""
+
+    block_size: int
+
+    def gather(self, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [Hkv, N, D] of slots ``[0, N)`` of the block row ``blocks``
+        (int tensor, >= cdiv(N, bs) entries; slot j lives in block ``blocks[j // bs]``)."""
+        ...
+
+    def scatter(self, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys/values [Hkv, K, D] into slots ``[0, K)`` of the block row ``blocks``.
+
+        Whole blocks are written: slots ``[K, cdiv(K, bs)*bs)`` of the last block get padding
+        (they lie past the request's length, and the request writes them itself later)."""
+        ...
+
+
+class BackendAdapter(ABC):
+    """What one attention backend contributes to eviction (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def kv_view(self, kv_cache: torch.Tensor, layer: Any, impl: Any) -> KvCacheView:
+        """(a) The view of ``layer``'s cache tensor (as the backend's ``forward`` receives it)."""
+
+    @abstractmethod
+    def shift_reads(self, common_attn_metadata: Any, plan: StepPlan) -> Any:
+        """(b) Read metadata in which row ``r`` starts at block ``plan.dead[r]`` and holds
+        ``seq_len - dead*bs`` tokens; the write side (slot mapping, positions) stays logical.
+
+        Returns the ``CommonAttentionMetadata`` the backend's builder is given."""
+
+    @staticmethod
+    @abstractmethod
+    def unsupported_reason(vllm_config: Any) -> str | None:
+        """(c) Why budgeted requests cannot be served with this configuration, or None."""
+
+
+class EvictingBuilderMixin:
+    """Metadata builder half: shifted reads and the plan for the layers (put before the
+    backend's builder class in the bases). ``obcache_plan`` is set by the model runner around
+    each metadata build, and None otherwise (e.g. CUDA-graph capture, profiling)."""
+
+    obcache_adapter: ClassVar[BackendAdapter]
+    obcache_plan: StepPlan | None = None
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        plan = self.obcache_plan
+        if plan is not None:
+            if plan.shifts_reads:
+                common_attn_metadata = self.obcache_adapter.shift_reads(common_attn_metadata, plan)
+            plan.read_block_table = common_attn_metadata.block_table_tensor
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        metadata.obcache_plan = plan if plan is not None and plan.rows else None
+        return metadata
+
+
+class EvictingImplMixin:
+    """Attention impl half: the backend's attention, then the eviction work of this layer."""
+
+    obcache_adapter: ClassVar[BackendAdapter]
+    _obcache_geometry: HeadGeometry | None = None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
+        result = super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw
+        )
+        plan = getattr(attn_metadata, "obcache_plan", None)
+        if plan is not None and self.attn_type == AttentionType.DECODER:
+            view = self.obcache_adapter.kv_view(kv_cache, layer, self)
+            evict_after_attention(plan, layer.layer_name, query, view, self.obcache_geometry)
+        return result
+
+    @property
+    def obcache_geometry(self) -> HeadGeometry:
+        if self._obcache_geometry is None:
+            self._obcache_geometry = HeadGeometry(
+                num_q_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size,
+                scale=self.scale,
+            )
+        return self._obcache_geometry
+
+
+def evict_after_attention(
+    plan: StepPlan, layer: str, query: torch.Tensor, view: KvCacheView, geom: HeadGeometry
+) -> None:
+    """This layer's eviction work for every budgeted row of the step; faults stay in their row."""
+    start = time.perf_counter()
+    for row in plan.rows:
+        if row.state.disabled is not None or row.outcome.failure is not None:
+            continue
+        try:
+            _row_after_attention(plan, row, layer, query, view, geom)
+        except Exception as exc:  # contained: see the module docstring
+            stage = "compact" if row.outcome.writing else "score"
+            reason = "injected" if isinstance(exc, InjectedFault) else type(exc).__name__
+            row.outcome.failure = (stage, reason, f"{layer}: {exc}")
+            row.outcome.writing = False
+    plan.timings.append(time.perf_counter() - start)
+
+
+def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> None:
+    """Bookkeeping and, if ordered, compaction of one budgeted request in one layer.
+
+    Cheap every step: prefill chunks remember the last window queries; decode steps (with
+    ``kv_decode``) append their query to a small buffer. Scoring needs the resident K/V and runs
+    only when it must: at an order, at the end of the prompt when decode eviction will need
+    running scores, for every prompt chunk of a pipeline that scores all prompt queries (h2o),
+    and when a summed decode buffer is full. Scoring a buffer of decode queries at once equals
+    the sum of their per-step scores: no eviction happened in between, so each query saw
+    exactly the resident tokens at or before its position (the causal mask of the scorer).
+    """
+    state, order, opts, pipeline = row.state, row.order, row.state.options, row.state.pipeline
+    q_rows = query[row.q_start : row.q_end]  # [n, Hq, D]
+    every_prompt_query = pipeline.window is None  # h2o: all prompt queries count
+    prefill_end = row.prefill and row.logical_len >= row.prompt_len
+    if row.prefill and not every_prompt_query and pipeline.window:
+        state.remember_queries(layer, q_rows, pipeline.window)
+    decode_due = False
+    decode_mode = pipeline.running_mode or "sum"  # window pipelines sum decode scores (H2O)
+    # Unscored pipelines (streaming) never drain a buffer: do not grow one.
+    if not row.prefill and opts.decode and pipeline.scored:
+        capacity = DECODE_BUFFER if decode_mode == "sum" else 1
+        full = state.buffer_decode_query(layer, q_rows, capacity)
+        decode_due = full and decode_mode == "sum"
+    prompt_scoring = row.prefill and every_prompt_query and pipeline.scored
+    if not (order is not None or prompt_scoring or decode_due or (opts.decode and prefill_end)):
+        return
+
+    if row.fault is not None and row.fault.stage == "score":
+        raise InjectedFault("score")
+    # Every row of the step reads the same block table: the one the attention just used.
+    blocks = plan.read_block_table[row.row]
+    keys, values = view.gather(blocks, row.num_resident)  # [Hkv, N, D] each
+    scores = _scores(row, layer, q_rows, keys, values, geom, prefill_end, decode_mode)
+    if order is None:
+        return
+
+    keep = pipeline.select(scores, keep=order.kept, recent=opts.recent, sinks=opts.sinks)
+    if state.record is not None:
+        state.record[layer] = keep.clone()
+    index = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])  # [Hkv, K, D]
+    kept_k = torch.gather(keys, 1, index)  # gathered before anything is written
+    kept_v = torch.gather(values, 1, index)
+    fault = row.fault
+    if fault and fault.stage == "compact" and plan.layer_index.get(layer) == fault.layer:
+        raise InjectedFault(f"compact at layer {fault.layer}")
+    row.outcome.writing = True
+    # Kept tokens go to logical slots [dead_after*bs, L): block (dead_after - dead_before) on
+    # of the row as the attention read it.
+    view.scatter(blocks[order.dead_after - order.dead_before :], kept_k, kept_v)
+    row.outcome.writing = False
+    row.outcome.compacted_layers += 1
+    running = state.running.get(layer)
+    if running is not None:
+        running.gather(keep)
+    state.queries.pop(layer, None)
+
+
+def _scores(row: RowPlan, layer, q_rows, keys, values, geom, prefill_end, decode_mode):
+    """Current scores [Hkv, N] of the resident tokens (updates the running scores)."""
+    state, opts, pipeline = row.state, row.state.options, row.state.pipeline
+    num_heads, num_resident = keys.shape[0], keys.shape[1]
+    if not pipeline.scored:
+        return keys.new_zeros((num_heads, num_resident), dtype=torch.float32)
+    device = keys.device
+    k_tok, v_tok = keys.transpose(0, 1), values.transpose(0, 1)  # [N, Hkv, D] views
+    # Logical slot of resident j is dead*bs + j: the true position for tokens written since
+    # the last compaction, and below every later query for compacted ones (kept tokens only
+    # move right, to slots < the length at compaction). So it is an exact causal key.
+    k_pos = state.dead * row.block_size + torch.arange(num_resident, device=device)
+    every_prompt_query = pipeline.window is None
+    running = state.running.get(layer)
+    if running is None and (opts.decode or every_prompt_query or not row.prefill):
+        running = state.running[layer] = RunningScores(num_heads, mode=decode_mode)
+
+    if row.prefill and not every_prompt_query:  # window pipelines: score once, at the end
+        q = state.queries[layer]
+        q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
+        if state.record is not None:
+            first = row.logical_len - q.shape[0]
+            state.record[layer + ":window"] = (q.shape[0], first, row.logical_len - 1)
+        scores = pipeline.prefill_scores(state.scorer, q, k_tok, v_tok, geom, q_pos, k_pos)
+        if running is not None and prefill_end:
+            running.reset()
+            running.add(scores)
+        return scores
+    if row.prefill:  # every prompt query: this chunk's contribution, added up
+        q_pos = torch.arange(row.logical_len - q_rows.shape[0], row.logical_len, device=device)
+        step = pipeline.prefill_scores(state.scorer, q_rows, k_tok, v_tok, geom, q_pos, k_pos)
+    else:
+        q = state.take_decode_queries(layer)
+        q = q_rows if q is None else q
+        q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
+        step = state.scorer(q, k_tok, v_tok, geom, q_pos, k_pos)
+    running.add(step)
+    return running.scores
