@@ -211,10 +211,10 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> N
     index = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])  # [Hkv, K, D]
     kept_k = torch.gather(keys, 1, index)  # gathered before anything is written
     kept_v = torch.gather(values, 1, index)
+    row.outcome.writing = True
     fault = row.fault
     if fault and fault.stage == "compact" and plan.layer_index.get(layer) == fault.layer:
         raise InjectedFault(f"compact at layer {fault.layer}")
-    row.outcome.writing = True
     # Kept tokens go to logical slots [dead_after*bs, L): block (dead_after - dead_before) on
     # of the row as the attention read it.
     view.scatter(blocks[order.dead_after - order.dead_before :], kept_k, kept_v)

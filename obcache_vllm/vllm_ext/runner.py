@@ -215,8 +215,8 @@ class EvictingRunnerMixin:
                 logger.warning(
                     "obcache: eviction fault for request %s (stage=%s reason=%s): %s; %s",
                     row.req_id, stage, reason, detail,
-                    "its cache is torn, it is finished with an error" if torn
-                    else "it continues uncompressed",
+                    "its cache is torn: finished with an error" if torn
+                    else "continues uncompressed",
                 )  # fmt: skip
             states[row.req_id] = RowState(
                 state.dead, state.evictions, state.tokens_evicted, state.kept_prompt

@@ -55,6 +55,14 @@ from obcache_vllm.vllm_ext import faults
 
 logger = logging.getLogger(__name__)
 
+def _log_fault(req_id: str, stage: str, reason: str, detail: str, fate: str) -> None:
+    """The one log line of a contained eviction fault (operators grep for the request id)."""
+    logger.warning(
+        "obcache: eviction fault for request %s (stage=%s reason=%s): %s; %s",
+        req_id, stage, reason, detail, fate,
+    )  # fmt: skip
+
+
 class BlockNotWritableError(RuntimeError):
     """A block that would receive kept tokens is shared or in the prefix cache."""
 
@@ -259,11 +267,10 @@ class OBCacheScheduler(Scheduler):
             for req_id in orders:  # the worker's report of these orders is missing
                 self.obcache_totals.orders_not_applied += 1
                 self._count_failure("report", "missing")
-                logger.warning(
-                    "obcache: no eviction report for request %s; its blocks are freed when "
-                    "a later report shows the worker's state",
-                    req_id,
-                )
+                _log_fault(
+                    req_id, "report", "missing", "no worker report for its order",
+                    "its blocks are freed once a later report shows the worker's state",
+                )  # fmt: skip
         else:
             self.obcache_totals.scoring_seconds += report.seconds
             if report.applied:
@@ -339,12 +346,8 @@ class OBCacheScheduler(Scheduler):
         state.disabled = f"{stage}: {reason}"
         if torn:
             self.obcache_totals.failed_requests += 1
-        logger.warning(
-            "obcache: eviction fault for request %s (stage=%s reason=%s; %s); %s",
-            req_id, stage, reason, detail,
-            "its cache is torn: finishing it with an error" if torn
-            else "it continues uncompressed",
-        )  # fmt: skip
+        fate = "its cache is torn: finished with an error" if torn else "continues uncompressed"
+        _log_fault(req_id, stage, reason, detail, fate)
 
     def _attach_outcomes(self, outputs) -> None:
         """Put each budgeted request's KV outcome on its output (see the module docstring)."""

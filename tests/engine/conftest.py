@@ -15,6 +15,8 @@ from helpers import ENGINE_KWARGS, POOL_BLOCKS, Driver, Internals
 # Before any engine exists in this process (vLLM caches its env once an engine is up).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OBCACHE_VLLM_RECORD_KEEP", "1")
+# Requests may ask for a fault in eviction (test_faults.py; obcache_vllm/vllm_ext/faults.py).
+os.environ.setdefault("OBCACHE_VLLM_FAULTS", "1")
 # One core per engine. On this 2-core machine an engine bound to both cores slows to ~1.4 s per
 # decode token as soon as another process runs (every OpenMP barrier waits for a descheduled
 # thread), against ~0.08 s on one core. The stock reference subprocess binds the other core.
