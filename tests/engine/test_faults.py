@@ -45,7 +45,9 @@ def _params(fault: str | None):
         extra = dict(KV.get(name, {}))
         if name == "faulty" and fault is not None:
             extra["obcache_fault"] = fault
-        params.append(SamplingParams(temperature=0, max_tokens=MAX_TOKENS, extra_args=extra or None))
+        params.append(
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, extra_args=extra or None)
+        )
     return params
 
 
