@@ -36,6 +36,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "kv_decode": False,
     "kv_compress_at": None,  # a prompt position: per request only
     "kv_per_head": True,
+    "kv_prefill_evict": False,
 }
 assert tuple(BUILTIN_DEFAULTS) == options.WIRE_FIELDS
 # Options that depend on the request's own prompt: no server-wide default.

@@ -22,6 +22,12 @@ kv_compress_at  int k in [1, prompt length]: evict once the first k prompt token
                 kv_budget is then a fraction of k. Default: the whole prompt.
 kv_per_head     true: each KV head keeps its own top tokens; false: one ranking per layer
                 (scores summed over heads, as kvpress's presses do); default true
+kv_prefill_evict
+                also evict after every prefill chunk that leaves a whole block over budget,
+                so the prompt never holds more than budget + one chunk (+ one block): a
+                prompt longer than the KV pool can be served. Each chunk's eviction is scored
+                with the queries prefilled so far (as ``kv_compress_at`` at that chunk's end).
+                Default false
 ==============  =========================================================================
 
 Budget rule (see :mod:`obcache_vllm.planning`): eviction frees whole KV blocks only, so the
@@ -48,6 +54,7 @@ WIRE_FIELDS = (
     "kv_decode",
     "kv_compress_at",
     "kv_per_head",
+    "kv_prefill_evict",
 )
 
 # kv_-prefixed extra_args keys that belong to vLLM, not to us (KV-connector transfer params).
@@ -86,6 +93,7 @@ class KvOptions:
     # Prompt tokens cached when eviction runs (None: the whole prompt).
     compress_at: int | None = None
     per_head: bool = True
+    prefill_evict: bool = False
 
     def compress_point(self, num_prompt_tokens: int) -> int:
         """Number of prompt tokens in the cache when the prefill eviction runs."""
@@ -219,6 +227,7 @@ def parse_kv_options(
         decode=_bool_field(raw, "kv_decode", False),
         compress_at=compress_at,
         per_head=_bool_field(raw, "kv_per_head", True),
+        prefill_evict=_bool_field(raw, "kv_prefill_evict", False),
     )
     if opts.sinks + opts.recent >= opts.budget:
         raise KvOptionsError(

@@ -126,3 +126,42 @@ def plan_eviction(
         dead_after=dead_after,
         block_size=block_size,
     )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def peak_blocks(
+    *,
+    prompt_len: int,
+    max_tokens: int,
+    block_size: int,
+    chunk: int,
+    budget: int | None = None,
+    decode: bool = False,
+    prefill_evict: bool = False,
+) -> int:
+    """The most KV blocks a request can hold at once, over its whole life (worst case).
+
+    The KV of ``prompt_len + max_tokens - 1`` tokens is computed at most (the last token's is
+    never needed). ``budget=None``: a stock request, all of it. With a budget, the prompt is
+    held whole until the prefill eviction, unless ``prefill_evict``: then a prefill step holds
+    the kept tokens (< budget + bs) plus one chunk of at most ``chunk`` tokens. After the
+    prompt, the kept tokens (< budget + bs) grow by the generated ones, or stay under
+    budget + bs (+ one block of alignment) with ``decode``.
+    """
+    bs = block_size
+    total = prompt_len + max(max_tokens, 1) - 1
+    if budget is None or budget >= prompt_len and not decode:
+        return _cdiv(total, bs)
+    prompt_blocks = _cdiv(prompt_len, bs)
+    if prefill_evict:
+        prompt_blocks = min(prompt_blocks, _cdiv(budget + bs - 1 + chunk, bs))
+    kept = min(prompt_len, budget + bs - 1)
+    generated = max(max_tokens, 1) - 1
+    if decode:
+        after = min(_cdiv(kept + generated, bs), _cdiv(budget + bs, bs) + 1)
+    else:
+        after = _cdiv(kept + generated, bs)
+    return max(prompt_blocks, after)

@@ -223,7 +223,8 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> N
     running = state.running.get(layer)
     if running is not None:
         running.gather(keep)
-    state.queries.pop(layer, None)
+    if row.logical_len >= opts.compress_point(row.prompt_len):
+        state.queries.pop(layer, None)  # kv_prefill_evict keeps them for the next chunk's order
 
 
 def _scores(row: RowPlan, layer, q_rows, keys, values, geom, prefill_end, decode_mode):

@@ -88,6 +88,25 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("self", "request", "num_computed_tokens"),
     ),
     ("vllm.v1.core.block_pool", "BlockPool.is_block_writable", ("self", "block")),
+    # kv_prefill_evict: admission by bounded peak (scheduler.py), pools smaller than the
+    # context (capacity.py).
+    (
+        "vllm.v1.core.kv_cache_manager",
+        "KVCacheManager.allocate_slots",
+        ("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+         "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
+         "num_encoder_tokens", "full_sequence_must_fit"),
+    ),
+    (
+        "vllm.v1.engine.core",
+        "get_kv_cache_configs",
+        ("vllm_config", "kv_cache_specs", "available_memory"),
+    ),
+    (
+        "vllm.v1.core.kv_cache_utils",
+        "_check_enough_kv_cache_memory",
+        ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+    ),
     (
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner.execute_model",
@@ -370,6 +389,38 @@ def validate_request(vllm_config, engine_request) -> None:
         raise VLLMValidationError(reason, parameter="kv_budget", value=options.budget)
 
 
+def check_capacity(vllm_config, engine_request) -> None:
+    """400 for a request that can never fit the KV pool (:mod:`.capacity`)."""
+    from vllm.exceptions import VLLMValidationError
+
+    from obcache_vllm.vllm_ext.capacity import capacity_error
+
+    params = engine_request.sampling_params
+    if params is None:
+        return
+    num_prompt = length_from_prompt(engine_request)
+    try:
+        options = parse_kv_options(params.extra_args, num_prompt)
+    except KvOptionsError:
+        return  # validate_request has refused it already
+    error = capacity_error(vllm_config, num_prompt, params.max_tokens, options)
+    if error is not None:
+        _count_rejection(error.field)
+        raise VLLMValidationError(str(error), parameter=error.field, value=error.value)
+
+
+def length_from_prompt(engine_request) -> int:
+    """Prompt length of an ``EngineCoreRequest`` (token ids, or prompt embeddings)."""
+    from vllm.utils import length_from_prompt_token_ids_or_embeds
+
+    try:
+        return length_from_prompt_token_ids_or_embeds(
+            engine_request.prompt_token_ids, engine_request.prompt_embeds
+        )
+    except ValueError:  # neither: nothing to hold in the cache
+        return 0
+
+
 def _count_rejection(field: str) -> None:
     from obcache_vllm.vllm_ext.stats import count_rejection
 
@@ -381,6 +432,7 @@ def _wrap_process_inputs(original):
     def process_inputs(self, *args, **kwargs):
         request = original(self, *args, **kwargs)
         validate_request(self.vllm_config, request)
+        check_capacity(self.vllm_config, request)
         return request
 
     process_inputs.__obcache_wrapped__ = True
@@ -425,6 +477,9 @@ def install() -> None:
     from obcache_vllm.vllm_ext.stats import install_scheduler_stats_field
 
     install_scheduler_stats_field()
+    from obcache_vllm.vllm_ext.capacity import install_relaxed_pool_check
+
+    install_relaxed_pool_check()
     if API_SERVER_MODULE in sys.modules:
         install_api_server()
     from vllm.config.scheduler import SchedulerConfig

@@ -203,7 +203,7 @@ class EvictingRunnerMixin:
                 state.dead = order.dead_after
                 state.evictions += 1
                 state.tokens_evicted += order.tokens_evicted
-                if state.evictions == 1 and order.logical_len <= row.prompt_len:
+                if order.logical_len <= row.prompt_len:  # during the prompt: the last one counts
                     state.kept_prompt = order.kept + row.prompt_len - order.logical_len
                 applied.append(row.req_id)
             if failure is not None:

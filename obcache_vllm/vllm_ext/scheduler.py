@@ -49,6 +49,7 @@ from obcache_vllm.planning import (
     REPORT_ATTR,
     STATS_ATTR,
     EvictionOrder,
+    peak_blocks,
     plan_eviction,
 )
 from obcache_vllm.vllm_ext import faults
@@ -157,6 +158,28 @@ class OBCacheScheduler(Scheduler):
             cache_blocks(request, num_computed_tokens)
 
         coordinator.cache_blocks = cache_blocks_unless_budgeted
+        manager = self.kv_cache_manager
+        allocate_slots = manager.allocate_slots
+
+        def allocate_slots_bounded(request, num_new_tokens, *args, **kwargs):
+            """Admission of a kv_prefill_evict request: its bounded peak must fit, not its
+            whole prompt (vLLM's ``full_sequence_must_fit`` gate for waiting requests)."""
+            state = self.obcache_states.get(request.request_id)
+            if (
+                state is not None
+                and state.options.prefill_evict
+                and state.disabled is None
+                and kwargs.get("full_sequence_must_fit")
+            ):
+                peak = self.obcache_peak_blocks(request, state)
+                held = sum(1 for b in self._obcache_manager.req_to_blocks.get(
+                    request.request_id, ()) if not b.is_null)  # fmt: skip
+                if peak - held > manager.block_pool.get_num_free_blocks():
+                    return None
+                kwargs["full_sequence_must_fit"] = False
+            return allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+        manager.allocate_slots = allocate_slots_bounded
         managers = coordinator.single_type_managers
         if len(managers) != 1:
             raise RuntimeError("obcache-vllm supports single-group (non-hybrid) KV caches only")
@@ -201,11 +224,14 @@ class OBCacheScheduler(Scheduler):
 
     def _plan_request(self, output, request, state: SchedKvState) -> EvictionOrder | None:
         """This step's order for one budgeted request, or None (may cut its prefill chunk)."""
+        final = True  # the eviction at the compress point, or a decode-time one
         if not state.compressed:
             point = state.options.compress_point(state.prompt_len)
             self._cut_chunk_at(output, request, point)
             if request.num_computed_tokens < point:
-                return None
+                if not state.options.prefill_evict:
+                    return None
+                final = False  # kv_prefill_evict: after this chunk too
         elif not state.options.decode or request.is_prefill_chunk:
             return None
         order = plan_eviction(
@@ -214,7 +240,7 @@ class OBCacheScheduler(Scheduler):
             dead_blocks=state.dead,
             block_size=self.block_size,
         )
-        state.compressed = True
+        state.compressed = state.compressed or final
         if order is None:
             return None
         fault = state.fault if state.fault and state.fault.stage in ("schedule", "desync") else None
@@ -415,6 +441,19 @@ class OBCacheScheduler(Scheduler):
             self._obcache_pending_finished.append(record)
             self._obcache_step_outcomes[request.request_id] = state.outcome(resident)
         return super()._free_request(request, *args, **kwargs)
+
+    def obcache_peak_blocks(self, request, state: SchedKvState) -> int:
+        """Worst-case blocks of a budgeted request (see :func:`planning.peak_blocks`)."""
+        params = request.sampling_params
+        return peak_blocks(
+            prompt_len=state.prompt_len,
+            max_tokens=params.max_tokens or 1,
+            block_size=self.block_size,
+            chunk=self.scheduler_config.max_num_batched_tokens,
+            budget=state.options.budget,
+            decode=state.options.decode,
+            prefill_evict=state.options.prefill_evict,
+        )
 
     def obcache_resident_tokens(self, req_id: str) -> int | None:
         """Tokens this budgeted request currently holds in the cache (None if not budgeted)."""

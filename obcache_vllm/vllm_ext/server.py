@@ -119,10 +119,31 @@ def _wrap_log_inputs(original):
                     )
                 except options.KvOptionsError as exc:
                     raise _reject(exc) from exc
+        _check_capacity(self, inputs, params)
         return original(self, request_id, inputs, *args, **kwargs)
 
     _log_inputs.__obcache_wrapped__ = True
     return _log_inputs
+
+
+def _check_capacity(serving, inputs, params) -> None:
+    """A request that can never fit the KV pool: 400 before any stream starts (see
+    :mod:`obcache_vllm.vllm_ext.capacity`; a no-op when the pool holds ``max_model_len``)."""
+    from obcache_vllm.vllm_ext.capacity import capacity_error
+
+    vllm_config = getattr(getattr(serving, "engine_client", None), "vllm_config", None)
+    if vllm_config is None or not hasattr(params, "max_tokens"):
+        return
+    token_ids = serving._extract_prompt_components(inputs).token_ids
+    if token_ids is None:
+        return
+    try:
+        opts = options.parse_kv_options(params.extra_args, len(token_ids))
+    except options.KvOptionsError:
+        return  # reported by the checks above or by the input processor
+    error = capacity_error(vllm_config, len(token_ids), params.max_tokens, opts)
+    if error is not None:
+        raise _reject(error)
 
 
 def _wrap_to_sampling_params(original):
