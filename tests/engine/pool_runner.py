@@ -1,0 +1,67 @@
+"""A prompt longer than the KV pool: run one engine in THIS process and report what it held.
+
+Usage: ``python pool_runner.py IN.json OUT.json``. IN.json: ``{"engine": {...LLM kwargs...},
+"requests": [{"id": ..., "prompt_token_ids": [...], "max_tokens": n, "extra_args": {...}}]}``.
+With ``VLLM_PLUGINS=`` (stock) the engine may refuse to start: OUT.json then holds
+``{"start_error": message}``. Otherwise, per request: the generated token ids, or the
+validation error that refused it (``{"error": message, "param": field}``), and the most blocks
+it held after any step; plus the pool size and whether every block came back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read the scheduler between steps
+    from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    spec = json.loads(open(sys.argv[1]).read())
+    out: dict = {}
+    try:
+        llm = LLM(**spec["engine"])
+    except Exception as exc:  # stock vLLM's start-up check
+        out["start_error"] = f"{type(exc).__name__}: {exc}"
+        open(sys.argv[2], "w").write(json.dumps(out))
+        return
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    pool = scheduler.kv_cache_manager.block_pool
+    out["pool_blocks"] = pool.get_num_free_blocks()
+    results, engine_ids = {}, {}
+    for r in spec["requests"]:
+        params = SamplingParams(
+            temperature=0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args")
+        )
+        try:
+            engine_ids[engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]},
+                                          params)] = r["id"]  # fmt: skip
+        except (ValueError, VLLMValidationError) as exc:
+            results[r["id"]] = {"error": str(exc), "param": getattr(exc, "parameter", None)}
+    peak = {rid: 0 for rid in engine_ids.values()}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                rid = engine_ids.get(o.request_id, o.request_id)  # engine or client id
+                results[rid] = {"token_ids": list(o.outputs[0].token_ids)}
+        steps += 1
+        for engine_id, rid in engine_ids.items():
+            held = sum(1 for b in manager.req_to_blocks.get(engine_id, ()) if not b.is_null)
+            peak[rid] = max(peak[rid], held)
+    for rid, blocks in peak.items():
+        results[rid]["peak_blocks"] = blocks
+    out.update(results=results, steps=steps, free_at_end=pool.get_num_free_blocks())
+    out["finished"] = [
+        [r.req_id, r.evictions, r.kept_prompt] for r in scheduler.obcache_finished
+    ] if hasattr(scheduler, "obcache_finished") else []
+    open(sys.argv[2], "w").write(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
