@@ -1,20 +1,32 @@
-"""Memory-bound serving: stock vLLM vs obcache-vllm budgets on the same request stream.
+"""Serving at the KV pool's limit: stock vLLM (small pool, and a pool big enough for all) vs
+obcache-vllm (small pool), the same requests, in one run; ratios to both.
 
-A deliberately small KV pool and a stream of long-prompt requests. Each configuration (stock
-vLLM in a child with the plugin disabled; the plugin engine with each ``kv_budget``) runs the
-same requests, arriving at the same times, in its own child process. Reported per configuration,
-with ratios to stock: completed requests/s and output tokens/s over the run, peak concurrently
-running requests, request latency p50/p99 (arrival to last token), mean KV-pool usage; and a
-plot of KV-pool usage and running requests over time.
+Every workload sends all its requests at t = 0 (enough of them that the KV pool, not the request
+count, limits concurrency) to three configurations, each in a fresh child on one core:
+
+* ``stock, small pool``  - stock vLLM (``VLLM_PLUGINS=``), the workload's small pool;
+* ``stock, unlimited``   - stock vLLM, a pool that holds every request at once (the memory
+  limit removed: the throughput the small pool would have with enough memory);
+* ``obcache, small pool``- the plugin, the small pool, each request with the workload's kv_*.
+
+``--same-pool`` workloads (long-context decode, equal-batch overhead) instead run stock and the
+plugin in the SAME pool big enough for all: any difference is the cost or gain of eviction at an
+equal batch.
+
+Reported per configuration: completed requests/s and output tokens/s over the run, max and mean
+running requests, preemptions, TTFT and TPOT p50/p99 (vLLM's definitions: TPOT excludes the
+first token), decode-only tokens/s (steps that scheduled no prompt token), mean step time split
+into model and eviction (the worker's own scoring + compaction time), and the KV pool usage over
+time (plot). Ratios: vs stock in the same pool, and vs the memory-unlimited stock.
 
 Usage (the default model from ``obcache-vllm model pull``)::
 
-    .venv/bin/python benchmarks/bench_serving.py                       # the measurement
-    .venv/bin/python benchmarks/bench_serving.py --requests 4 --prompt-tokens 768 \\
-        --max-tokens 16 --pool-blocks 64 --budgets 0.25                # a quick look (make bench)
+    .venv/bin/python benchmarks/bench_serving.py --workloads decode-bound prefill-bound
+    .venv/bin/python benchmarks/bench_serving.py --workloads long-7k-b8 --repeats 1
+    .venv/bin/python benchmarks/bench_serving.py --quick          # make bench (minutes)
 
-Outputs: a Markdown table on stdout; ``--out DIR`` (default results/bench) receives
-``serving.json`` and ``serving_kv_usage.png``.
+Outputs: a Markdown table per workload on stdout and in ``--out`` (default results/bench):
+``serving.json``, ``serving.md``, ``serving_kv_usage.png``.
 """
 
 from __future__ import annotations
@@ -22,144 +34,270 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import common
 
 
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt_tokens: int
+    max_tokens: int
+    kv: dict
+    small_pool: int | None  # blocks; None: same-pool workload
+    big_pool: int
+    max_num_seqs: int = 64
+    batched_tokens: int = 2048
+    note: str = ""
+    same_pool: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+TOVA_KEY = {"kv_pipeline": "tova", "kv_scorer": "obcache_key", "kv_per_head": False}
+WORKLOADS: dict[str, Workload] = {
+    "decode-bound": Workload(32, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},
+                             64, 520, note="decode eviction keeps 32 long generations small"),
+    "prefill-bound": Workload(24, 1024, 64, {"kv_budget": 0.1, **TOVA_KEY}, 100, 830,
+                              note="prompts compressed to 10 % at prefill end"),
+    "long-4k-b1": Workload(1, 4000, 128, {"kv_budget": 0.1, "kv_decode": True, **TOVA_KEY},
+                           None, 140, same_pool=True, note="long-context decode speed"),
+    "long-4k-b8": Workload(8, 4000, 128, {"kv_budget": 0.1, "kv_decode": True, **TOVA_KEY},
+                           None, 1050, same_pool=True, note="long-context decode speed"),
+    "long-7k-b1": Workload(1, 7000, 128, {"kv_budget": 0.1, "kv_decode": True, **TOVA_KEY},
+                           None, 230, same_pool=True, note="long-context decode speed"),
+    "long-7k-b8": Workload(8, 7000, 128, {"kv_budget": 0.1, "kv_decode": True, **TOVA_KEY},
+                           None, 1800, same_pool=True, note="long-context decode speed"),
+    "equal-32": Workload(32, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},
+                         None, 520, same_pool=True, note="overhead at an equal batch of 32"),
+    "equal-64": Workload(64, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},
+                         None, 1040, max_num_seqs=64, same_pool=True,
+                         note="overhead at an equal batch of 64"),
+}  # fmt: skip
+QUICK = {
+    "decode-bound": Workload(16, 256, 128, WORKLOADS["decode-bound"].kv, 32, 200),
+    "prefill-bound": Workload(8, 1024, 16, WORKLOADS["prefill-bound"].kv, 40, 300),
+}
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def worker(args) -> dict:
-    """Child: run the stream once on one engine; per-step timeline and per-request latency."""
+    """Child: one configuration of one workload; per-step timeline and per-request latency."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # to read the scheduler each step
-    llm = common.engine(args.model, args.pool_blocks, args.prompt_tokens + args.max_tokens + 64)
-    tok = llm.get_tokenizer()
+    w = Workload(**json.loads(args.workload_json))
+    llm = common.engine(args.model, args.pool, w.prompt_tokens + w.max_tokens + 64,
+                        max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.batched_tokens)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    prompts = common.prompts(tok, args.requests + 1, args.prompt_tokens, seed=7)
-    extra = None
-    if args.budget is not None:
-        extra = {"kv_budget": args.budget, "kv_pipeline": args.pipeline, "kv_scorer": args.scorer}
-    params = SamplingParams(
-        temperature=0, max_tokens=args.max_tokens, extra_args=extra, ignore_eos=True
-    )
-    llm.generate([{"prompt_token_ids": prompts[0][:256]}], params, use_tqdm=False)  # warm-up
+    prompts = common.prompts(llm.get_tokenizer(), w.requests + 1, w.prompt_tokens, seed=7)
+    kv = None if args.stock else w.kv
+    params = SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True,
+                            extra_args=kv, output_kind=RequestOutputKind.DELTA)
+    llm.generate([{"prompt_token_ids": prompts[0][:128]}], params, use_tqdm=False)  # warm-up
 
-    arrivals = [i * args.interval for i in range(args.requests)]
+    preemptions = [0]
+    preempt = scheduler._preempt_request
+
+    def counted(*a, **k):
+        preemptions[0] += 1
+        return preempt(*a, **k)
+
+    scheduler._preempt_request = counted
+    scheduled = {}
+    schedule = scheduler.schedule
+
+    def recorded(*a, **k):
+        out = schedule(*a, **k)
+        scheduled["tokens"] = out.total_num_scheduled_tokens
+        scheduled["reqs"] = len(out.num_scheduled_tokens)
+        return out
+
+    scheduler.schedule = recorded
+    totals = getattr(scheduler, "obcache_totals", None)
     start = time.perf_counter()
-    pending, finished, latency, out_tokens = list(range(args.requests)), {}, {}, 0
-    timeline = []  # (seconds, kv usage, running, waiting)
-    while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while pending and arrivals[pending[0]] <= now:
-            i = pending.pop(0)
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i + 1]}, params)
-        if not engine.has_unfinished_requests():
-            time.sleep(min(0.05, max(0.0, arrivals[pending[0]] - now)))
-            continue
-        for out in engine.step():
-            if out.finished:
-                i = int(out.request_id.split("-")[0][1:])
-                finished[i] = time.perf_counter() - start
-                latency[i] = finished[i] - arrivals[i]
-                out_tokens += len(out.outputs[0].token_ids)
-        timeline.append(
-            (
-                round(time.perf_counter() - start, 3),
-                round(scheduler.kv_cache_manager.usage, 4),
-                len(scheduler.running),
-                len(scheduler.waiting),
-            )
-        )
-    wall = max(finished.values())
-    lat = sorted(latency.values())
+    for i in range(w.requests):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i + 1]}, params)
+    first, done, n_out = {}, {}, {}
+    timeline = []  # (t, kv usage, running, waiting, step s, eviction s, decode-only, new tokens)
+    while engine.has_unfinished_requests():
+        evict0 = totals.scoring_seconds if totals else 0.0
+        t0 = time.perf_counter()
+        outs = engine.step()
+        t1 = time.perf_counter()
+        new_tokens = 0
+        for o in outs:
+            rid = o.request_id
+            count = len(o.outputs[0].token_ids)  # new tokens of this step (DELTA outputs)
+            new_tokens += count
+            n_out[rid] = n_out.get(rid, 0) + count
+            if count and rid not in first:
+                first[rid] = t1 - start
+            if o.finished:
+                done[rid] = t1 - start
+        decode_only = scheduled.get("tokens") == scheduled.get("reqs")
+        timeline.append((round(t1 - start, 3), round(scheduler.kv_cache_manager.usage, 4),
+                         len(scheduler.running), len(scheduler.waiting), t1 - t0,
+                         (totals.scoring_seconds - evict0) if totals else 0.0,
+                         decode_only, new_tokens))  # fmt: skip
+    wall = max(done.values())
+    ttft = [first[r] for r in done]
+    tpot = [(done[r] - first[r]) / (n_out[r] - 1) for r in done if n_out[r] > 1]
+    decode_steps = [s for s in timeline if s[6]]
+    step_s = [s[4] for s in timeline]
     return {
-        "requests_per_s": args.requests / wall,
-        "output_tokens_per_s": out_tokens / wall,
-        "peak_running": max(t[2] for t in timeline),
-        "latency_p50_s": lat[len(lat) // 2],
-        "latency_p99_s": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
-        "mean_kv_usage": sum(t[1] for t in timeline) / len(timeline),
+        "requests_per_s": len(done) / wall,
+        "output_tokens_per_s": sum(n_out.values()) / wall,
+        "max_running": max(s[2] for s in timeline),
+        "mean_running": statistics.fmean(s[2] for s in timeline),
+        "preemptions": preemptions[0],
+        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+        "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
+        "decode_tokens_per_s": (sum(s[7] for s in decode_steps)
+                                / max(1e-9, sum(s[4] for s in decode_steps))),
+        "decode_steps": len(decode_steps),
+        "step_ms_mean": 1e3 * statistics.fmean(step_s),
+        "step_ms_median": 1e3 * statistics.median(step_s),
+        "eviction_ms_per_step": 1e3 * statistics.fmean(s[5] for s in timeline),
+        "model_ms_per_step": 1e3 * statistics.fmean(s[4] - s[5] for s in timeline),
         "wall_s": wall,
-        "timeline": timeline,
-    }
+        "timeline": [s[:4] for s in timeline],
+    }  # fmt: skip
 
 
-def plot(rows: list[tuple[str, dict]], path: Path) -> None:
+def run_workload(name: str, w: Workload, model: str, repeats: int) -> dict[str, dict]:
+    """The configurations of one workload (medians over ``repeats`` runs of each)."""
+    if w.same_pool:
+        configs = [("stock", True, w.big_pool), ("obcache", False, w.big_pool)]
+    else:
+        configs = [("stock, small pool", True, w.small_pool),
+                   ("stock, unlimited", True, w.big_pool),
+                   ("obcache, small pool", False, w.small_pool)]  # fmt: skip
+    spec = json.dumps(asdict(w))
+    rows: dict[str, dict] = {}
+    for label, stock, pool in configs:
+        runs = [common.run_child(__file__, "serving", stock,
+                                 ["--model", model, "--workload-json", spec, "--pool", str(pool)])
+                for _ in range(repeats)]  # fmt: skip
+        rows[label] = _median_run(runs)
+        rows[label]["pool_blocks"] = pool
+        print(f"  {name}: {label} done ({rows[label]['wall_s']:.0f} s)", flush=True)
+    return rows
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """Each scalar is the median over the runs; the timeline is the median-throughput run's."""
+    out = {}
+    for key, value in runs[0].items():
+        out[key] = (statistics.median(r[key] for r in runs)
+                    if isinstance(value, (int, float)) else value)  # fmt: skip
+    best = sorted(runs, key=lambda r: r["requests_per_s"])[len(runs) // 2]
+    out["timeline"] = best["timeline"]
+    out["runs"] = len(runs)
+    return out
+
+
+def table(name: str, w: Workload, rows: dict[str, dict]) -> str:
+    labels = list(rows)
+    plugin = rows[labels[-1]]
+    same, unlimited = rows[labels[0]], rows[labels[1]] if len(labels) == 3 else None
+    lines = [
+        f"**{name}**: {w.requests} x ({w.prompt_tokens} prompt + {w.max_tokens} generated), "
+        f"kv {json.dumps(w.kv)}; " + ", ".join(f"{k}: {r['pool_blocks']} blocks"
+                                              for k, r in rows.items()) + f". {w.note}",
+        "",
+        "| config | req/s | out tok/s | max / mean running | preemptions | TTFT p50 / p99 s "
+        "| TPOT p50 / p99 ms | decode tok/s | step ms (model + eviction) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in rows.items():
+        lines.append(
+            f"| {label} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.1f} "
+            f"| {r['max_running']:.0f} / {r['mean_running']:.1f} | {r['preemptions']:.0f} "
+            f"| {r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f} "
+            f"| {1e3 * r['tpot_p50_s']:.0f} / {1e3 * r['tpot_p99_s']:.0f} "
+            f"| {r['decode_tokens_per_s']:.1f} "
+            f"| {r['step_ms_mean']:.0f} ({r['model_ms_per_step']:.0f} + "
+            f"{r['eviction_ms_per_step']:.1f}) |"
+        )
+    ratios = [("vs stock, same pool", same)] + ([("vs stock, unlimited", unlimited)]
+                                                if unlimited else [])  # fmt: skip
+    lines.append("")
+    for label, base in ratios:
+        lines.append(
+            f"- obcache {label}: req/s {plugin['requests_per_s'] / base['requests_per_s']:.2f}x, "
+            f"out tok/s {plugin['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x, "
+            f"decode tok/s {plugin['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x, "
+            f"mean step {plugin['step_ms_mean'] / base['step_ms_mean']:.3f}x"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_kv, ax_run) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for name, result in rows:
-        t = [p[0] for p in result["timeline"]]
-        ax_kv.plot(t, [100 * p[1] for p in result["timeline"]], label=f"budget {name}")
-        ax_run.plot(t, [p[2] for p in result["timeline"]], label=f"budget {name}")
-    ax_kv.set_ylabel("KV pool used (%)")
-    ax_run.set_ylabel("running requests")
-    ax_run.set_xlabel("seconds since the first arrival")
-    ax_kv.legend(fontsize=8)
-    ax_kv.set_title("Memory-bound serving: KV pool usage and concurrency over time")
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.2 * len(results)), squeeze=False)
+    for (name, rows), (ax_kv, ax_run) in zip(results.items(), axes, strict=True):
+        for label, r in rows.items():
+            t = [p[0] for p in r["timeline"]]
+            ax_kv.plot(t, [100 * p[1] for p in r["timeline"]], label=label)
+            ax_run.plot(t, [p[2] for p in r["timeline"]], label=label)
+        ax_kv.set_ylabel(f"{name}\nKV pool used (%)")
+        ax_run.set_ylabel("running requests")
+        ax_kv.legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("seconds since all requests arrived")
+    fig.suptitle("KV pool usage and concurrency over time (bench_serving.py)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
     ap = common.parser(__doc__, "serving")
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25, 0.5])
-    ap.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--pipeline", default="snapkv")
-    ap.add_argument("--scorer", default="obcache_key")
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=2048)
-    ap.add_argument("--max-tokens", type=int, default=100)
-    ap.add_argument("--pool-blocks", type=int, default=200)
-    ap.add_argument("--interval", type=float, default=2.0, help="seconds between arrivals")
+    ap.add_argument("--workloads", nargs="+", default=["decode-bound", "prefill-bound"],
+                    choices=sorted(WORKLOADS))
+    ap.add_argument("--quick", action="store_true", help="small versions (make bench)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (median)")
     ap.add_argument("--out", default="results/bench")
+    ap.add_argument("--workload-json", help=argparse.SUPPRESS)
+    ap.add_argument("--pool", type=int, help=argparse.SUPPRESS)
     args = common.parse(ap, worker)
     if args is None:
         return
-
-    extra = [
-        "--model", args.model, "--requests", str(args.requests),
-        "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
-        "--pool-blocks", str(args.pool_blocks), "--interval", str(args.interval),
-        "--pipeline", args.pipeline, "--scorer", args.scorer,
-    ]  # fmt: skip
-    rows = [("none (stock vLLM)", common.run_child(__file__, "serving", True, extra))]
-    for b in args.budgets:
-        child = common.run_child(__file__, "serving", False, extra + ["--budget", str(b)])
-        rows.append((f"{b:g}", child))
-    base = rows[0][1]
-    print(
-        f"pool {args.pool_blocks} blocks x {common.BLOCK} tokens; {args.requests} requests of "
-        f"{args.prompt_tokens} prompt + {args.max_tokens} output tokens, one every "
-        f"{args.interval:g} s; {args.pipeline} + {args.scorer}"
-    )
-    print(
-        "| budget | req/s | ratio | out tok/s | ratio | peak running | latency p50 s "
-        "| p99 s | mean KV usage |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, r in rows:
-        print(
-            f"| {name} | {r['requests_per_s']:.3f} "
-            f"| {r['requests_per_s'] / base['requests_per_s']:.2f} "
-            f"| {r['output_tokens_per_s']:.1f} "
-            f"| {r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f} "
-            f"| {r['peak_running']} | {r['latency_p50_s']:.1f} | {r['latency_p99_s']:.1f} "
-            f"| {r['mean_kv_usage']:.2f} |"
-        )
+    chosen = QUICK if args.quick else {n: WORKLOADS[n] for n in args.workloads}
+    results, text = {}, []
+    core = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0")
+    header = (f"bench_serving.py, {time.strftime('%Y-%m-%d')}, fp32, block 32, one core "
+              f"(VLLM_CPU_OMP_THREADS_BIND={core}), {os.cpu_count()} CPUs, "
+              f"repeats {args.repeats}")
+    print(header)
+    for name, w in chosen.items():
+        results[name] = run_workload(name, w, args.model, args.repeats)
+        text.append(table(name, w, results[name]))
+        print(text[-1] + "\n", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("child", "stock", "budget")}
-    (out / "serving.json").write_text(
-        json.dumps({"settings": settings, "results": dict(rows)}, indent=1)
-    )
-    plot(rows, out / "serving_kv_usage.png")
-    print(f"wrote {out / 'serving.json'} and {out / 'serving_kv_usage.png'}")
+    stem = "serving_quick" if args.quick else "serving"
+    (out / f"{stem}.json").write_text(json.dumps(
+        {"header": header, "workloads": {n: asdict(w) for n, w in chosen.items()},
+         "results": results}, indent=1))  # fmt: skip
+    (out / f"{stem}.md").write_text(header + "\n\n" + "\n\n".join(text) + "\n")
+    plot(results, out / f"{stem}_kv_usage.png")
+    print(f"wrote {out / stem}.json, .md and _kv_usage.png")
 
 
 if __name__ == "__main__":

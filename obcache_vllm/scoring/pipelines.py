@@ -68,6 +68,18 @@ class Pipeline:
             scores = share_across_heads(scores)
         return select_keep(scores, keep=keep, recent=recent, sinks=sinks)
 
+    def select_batch(self, scores: Tensor, keep: int, recent: int = 0, sinks: int = 0) -> Tensor:
+        """``select`` of R requests at once: scores [R, Hkv, T] -> kept indices [R, Hkv, K].
+
+        Equal to ``select`` of each request (the shared ranking sums each request's own heads).
+        """
+        rows, heads, num_t = scores.shape
+        if not self.per_head:
+            scores = scores.sum(dim=1, keepdim=True).expand(rows, heads, num_t)
+        kept = select_keep(scores.reshape(rows * heads, num_t), keep=keep, recent=recent,
+                           sinks=sinks)  # fmt: skip
+        return kept.view(rows, heads, keep)
+
     def make_running(
         self, num_kv_heads: int, dtype: torch.dtype = torch.float32
     ) -> RunningScores | None:
@@ -220,6 +232,11 @@ class Streaming(Pipeline):
     def select(self, scores: Tensor, keep: int, recent: int = 0, sinks: int = 0) -> Tensor:
         recency = torch.arange(scores.shape[-1], device=scores.device)  # [T]  newer = higher
         return select_keep(recency.expand(scores.shape), keep=keep, recent=recent, sinks=sinks)
+
+    def select_batch(self, scores: Tensor, keep: int, recent: int = 0, sinks: int = 0) -> Tensor:
+        rows, heads, num_t = scores.shape
+        kept = self.select(scores.reshape(rows * heads, num_t), keep, recent, sinks)
+        return kept.view(rows, heads, keep)
 
 
 _PIPELINES: dict[str, type[Pipeline]] = {cls.name: cls for cls in (SnapKV, H2O, TOVA, Streaming)}

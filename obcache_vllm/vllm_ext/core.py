@@ -58,23 +58,26 @@ from vllm.v1.attention.backend import AttentionType
 
 from obcache_vllm.scoring import HeadGeometry, RunningScores
 from obcache_vllm.vllm_ext.faults import InjectedFault
-from obcache_vllm.vllm_ext.step import DECODE_BUFFER, RowPlan, StepPlan
+from obcache_vllm.vllm_ext.step import RowPlan, StepPlan
 
 logger = logging.getLogger(__name__)
 
 
 class KvCacheView(Protocol):
-    """One attention layer's paged KV cache, in one backend's layout (adapter part (a))."""
+    """One attention layer's paged KV cache, in one backend's layout (adapter part (a)).
+
+    Batched over requests: ``blocks`` is an int tensor [R, >= nb] of block rows (slot j of row
+    r lives in block ``blocks[r, j // bs]``); every row moves the same number of tokens.
+    """
 
     block_size: int
 
     def gather(self, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [Hkv, N, D] of slots ``[0, N)`` of the block row ``blocks``
-        (int tensor, >= cdiv(N, bs) entries; slot j lives in block ``blocks[j // bs]``)."""
+        """Keys and values [R, Hkv, N, D] of slots ``[0, N)`` of each block row."""
         ...
 
     def scatter(self, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys/values [Hkv, K, D] into slots ``[0, K)`` of the block row ``blocks``.
+        """Write keys/values [R, Hkv, K, D] into slots ``[0, K)`` of each block row.
 
         Whole blocks are written: slots ``[K, cdiv(K, bs)*bs)`` of the last block get padding
         (they lie past the request's length, and the request writes them itself later)."""
@@ -155,8 +158,27 @@ def evict_after_attention(
 ) -> None:
     """This layer's eviction work for every budgeted row of the step; faults stay in their row."""
     start = time.perf_counter()
+    if plan.decode_write is not None:  # every summed-score decode query of the step, one op
+        slots, positions, tokens = plan.decode_write
+        plan.decode_store.write(layer, slots, positions, query.index_select(0, tokens))
+    alone = set()  # rows of a group whose batched work failed in this layer: one by one
+    for group in plan.groups:
+        rows = [r for r in group.rows if r.state.disabled is None and r.outcome.failure is None]
+        if not rows:
+            continue
+        try:
+            _group_after_attention(plan, group, rows, layer, query, view, geom)
+        except Exception as exc:
+            if any(r.outcome.writing for r in rows):  # the one scatter of the group failed
+                for r in rows:
+                    r.outcome.failure = ("compact", type(exc).__name__, f"{layer}: {exc}")
+                    r.outcome.writing = False
+            else:  # nothing written: redo them one by one, so a fault names its own request
+                alone.update(r.row for r in rows)
     for row in plan.rows:
-        if row.state.disabled is not None or row.outcome.failure is not None:
+        if not row.active or row.state.disabled is not None or row.outcome.failure is not None:
+            continue
+        if row.grouped and row.row not in alone:
             continue
         try:
             _row_after_attention(plan, row, layer, query, view, geom)
@@ -171,13 +193,13 @@ def evict_after_attention(
 def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> None:
     """Bookkeeping and, if ordered, compaction of one budgeted request in one layer.
 
-    Cheap every step: prefill chunks remember the last window queries; decode steps (with
-    ``kv_decode``) append their query to a small buffer. Scoring needs the resident K/V and runs
-    only when it must: at an order, at the end of the prompt when decode eviction will need
-    running scores, for every prompt chunk of a pipeline that scores all prompt queries (h2o),
-    and when a summed decode buffer is full. Scoring a buffer of decode queries at once equals
-    the sum of their per-step scores: no eviction happened in between, so each query saw
-    exactly the resident tokens at or before its position (the causal mask of the scorer).
+    Only rows with work in this step get here (``row.active``, decided once per step by the
+    runner): prefill chunks remember the last window queries, or are scored when the pipeline
+    counts every prompt query (h2o); a decode row is scored only when its stored queries must be
+    folded in (buffer full, or an order) or at an order. Scoring needs the resident K/V. Scoring
+    a buffer of decode queries at once equals the sum of their per-step scores: no eviction
+    happened in between, so each query saw exactly the resident tokens at or before its
+    position (the causal mask of the scorer).
     """
     state, order, opts, pipeline = row.state, row.order, row.state.options, row.state.pipeline
     q_rows = query[row.q_start : row.q_end]  # [n, Hq, D]
@@ -185,23 +207,18 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> N
     prefill_end = row.prefill and row.logical_len >= row.prompt_len
     if row.prefill and not every_prompt_query and pipeline.window:
         state.remember_queries(layer, q_rows, pipeline.window)
-    decode_due = False
-    decode_mode = pipeline.running_mode or "sum"  # window pipelines sum decode scores (H2O)
-    # Unscored pipelines (streaming) never drain a buffer: do not grow one.
-    if not row.prefill and opts.decode and pipeline.scored:
-        capacity = DECODE_BUFFER if decode_mode == "sum" else 1
-        full = state.buffer_decode_query(layer, q_rows, capacity)
-        decode_due = full and decode_mode == "sum"
     prompt_scoring = row.prefill and every_prompt_query and pipeline.scored
-    if not (order is not None or prompt_scoring or decode_due or (opts.decode and prefill_end)):
+    if not (order is not None or prompt_scoring or row.score_decode
+            or (opts.decode and prefill_end)):  # fmt: skip
         return
 
     if row.fault is not None and row.fault.stage == "score":
         raise InjectedFault("score")
     # Every row of the step reads the same block table: the one the attention just used.
-    blocks = plan.read_block_table[row.row]
-    keys, values = view.gather(blocks, row.num_resident)  # [Hkv, N, D] each
-    scores = _scores(row, layer, q_rows, keys, values, geom, prefill_end, decode_mode)
+    blocks = plan.read_block_table[row.row : row.row + 1]  # [1, M]
+    keys, values = view.gather(blocks, row.num_resident)
+    keys, values = keys[0], values[0]  # [Hkv, N, D] each
+    scores = _scores(plan, row, layer, q_rows, keys, values, geom, prefill_end)
     if order is None:
         return
 
@@ -217,7 +234,7 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> N
         raise InjectedFault(f"compact at layer {fault.layer}")
     # Kept tokens go to logical slots [dead_after*bs, L): block (dead_after - dead_before) on
     # of the row as the attention read it.
-    view.scatter(blocks[order.dead_after - order.dead_before :], kept_k, kept_v)
+    view.scatter(blocks[:, order.dead_after - order.dead_before :], kept_k[None], kept_v[None])
     row.outcome.writing = False
     row.outcome.compacted_layers += 1
     running = state.running.get(layer)
@@ -227,7 +244,70 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> N
         state.queries.pop(layer, None)  # kv_prefill_evict keeps them for the next chunk's order
 
 
-def _scores(row: RowPlan, layer, q_rows, keys, values, geom, prefill_end, decode_mode):
+def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
+    """Decode evictions of several requests with the same shapes, batched (one op each).
+
+    The runner groups decode-time orders with the same options, resident count ``N``, query
+    count ``W`` and kept count ``K`` (:class:`~obcache_vllm.vllm_ext.step.RowGroup`). Their K/V
+    are gathered in one op, scored as ONE request whose heads are the requests' heads side by
+    side (scores are per KV head, a query head only meets its own KV head, so stacking
+    requests along the head axis changes nothing), selected together, gathered and scattered
+    in one op each. Positions are relative: each request's keys are its last N tokens and its
+    queries the last W, so ``k_pos = 0..N-1``, ``q_pos = N-W..N-1`` give every request its own
+    causal mask. Per-request work is left to the running scores (a few small ops).
+    """
+    first = rows[0]
+    state, opts, pipeline = first.state, first.state.options, first.state.pipeline
+    num_rows, n, w, kept = len(rows), first.num_resident, group.num_queries, first.order.kept
+    index = torch.tensor([r.row for r in rows], device=plan.read_block_table.device)
+    blocks = plan.read_block_table.index_select(0, index)  # [R, M]
+    keys, values = view.gather(blocks, n)  # [R, Hkv, N, D]
+    hkv, d = keys.shape[1], keys.shape[3]
+    if pipeline.scored:
+        if first.decode_position is not None:  # summed: the stored decode queries
+            slots = torch.tensor([r.state.decode_slot for r in rows], device=keys.device)
+            q = plan.decode_store.read_many(layer, slots, w)  # [R, W, Hq, D]
+        else:  # the newest query of each
+            tokens = torch.tensor([r.q_start for r in rows], device=query.device)
+            q = query.index_select(0, tokens)[:, None]  # [R, 1, Hq, D]
+        hq = q.shape[2]
+        big = HeadGeometry(num_rows * hq, num_rows * hkv, geom.head_dim, geom.scale)
+        step = state.scorer(
+            q.permute(1, 0, 2, 3).reshape(w, num_rows * hq, d),  # [W, R*Hq, D]
+            keys.permute(2, 0, 1, 3).reshape(n, num_rows * hkv, d),  # [N, R*Hkv, D]
+            values.permute(2, 0, 1, 3).reshape(n, num_rows * hkv, d),
+            big,
+            torch.arange(n - w, n, device=keys.device),
+            torch.arange(n, device=keys.device),
+        ).view(num_rows, hkv, n)  # [R, Hkv, N]
+        scores = []
+        for i, r in enumerate(rows):
+            running = r.state.running.get(layer)
+            if running is None:
+                running = r.state.running[layer] = RunningScores(hkv, mode=r.state.decode_mode)
+            running.add(step[i])
+            scores.append(running.scores)
+        scores = torch.stack(scores)  # [R, Hkv, N]
+    else:
+        scores = keys.new_zeros((num_rows, hkv, n))
+    keep = pipeline.select_batch(scores, keep=kept, recent=opts.recent, sinks=opts.sinks)
+    index_kd = keep.unsqueeze(-1).expand(-1, -1, -1, d)  # [R, Hkv, K, D]
+    kept_k = torch.gather(keys, 2, index_kd)  # gathered before anything is written
+    kept_v = torch.gather(values, 2, index_kd)
+    for r in rows:
+        r.outcome.writing = True
+    view.scatter(blocks[:, group.shift :], kept_k, kept_v)
+    for i, r in enumerate(rows):
+        r.outcome.writing = False
+        r.outcome.compacted_layers += 1
+        running = r.state.running.get(layer)
+        if running is not None:
+            running.gather(keep[i])
+        if r.state.record is not None:
+            r.state.record[layer] = keep[i].clone()
+
+
+def _scores(plan: StepPlan, row: RowPlan, layer, q_rows, keys, values, geom, prefill_end):
     """Current scores [Hkv, N] of the resident tokens (updates the running scores)."""
     state, opts, pipeline = row.state, row.state.options, row.state.pipeline
     num_heads, num_resident = keys.shape[0], keys.shape[1]
@@ -242,7 +322,7 @@ def _scores(row: RowPlan, layer, q_rows, keys, values, geom, prefill_end, decode
     every_prompt_query = pipeline.window is None
     running = state.running.get(layer)
     if running is None and (opts.decode or every_prompt_query or not row.prefill):
-        running = state.running[layer] = RunningScores(num_heads, mode=decode_mode)
+        running = state.running[layer] = RunningScores(num_heads, mode=state.decode_mode)
 
     if row.prefill and not every_prompt_query:  # window pipelines: score once, at the end
         q = state.queries[layer]
@@ -259,8 +339,9 @@ def _scores(row: RowPlan, layer, q_rows, keys, values, geom, prefill_end, decode
         q_pos = torch.arange(row.logical_len - q_rows.shape[0], row.logical_len, device=device)
         step = pipeline.prefill_scores(state.scorer, q_rows, k_tok, v_tok, geom, q_pos, k_pos)
     else:
-        q = state.take_decode_queries(layer)
-        q = q_rows if q is None else q
+        q = q_rows  # "last": the newest query only
+        if row.decode_position is not None:  # "sum": every query stored since the last scoring
+            q = plan.decode_store.read(layer, state.decode_slot, row.decode_position + 1)
         q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
         step = state.scorer(q, k_tok, v_tok, geom, q_pos, k_pos)
     running.add(step)

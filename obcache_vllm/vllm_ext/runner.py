@@ -20,9 +20,12 @@ methods that the CPU and GPU runners share. Per step:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import OrderedDict
+
+import torch
 
 from obcache_vllm.options import parse_validated_kv_options
 from obcache_vllm.planning import (
@@ -36,7 +39,13 @@ from obcache_vllm.planning import (
 )
 from obcache_vllm.vllm_ext import faults
 from obcache_vllm.vllm_ext.core import EvictingBuilderMixin
-from obcache_vllm.vllm_ext.step import RequestKvState, RowPlan, StepPlan
+from obcache_vllm.vllm_ext.step import (
+    DecodeQueryStore,
+    RequestKvState,
+    RowGroup,
+    RowPlan,
+    StepPlan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +64,8 @@ class EvictingRunnerMixin:
         self._obcache_report: EvictionReport | None = None
         self._obcache_layer_index: dict[str, int] | None = None
         self._obcache_faults: dict[str, faults.Fault] = {}
+        self.obcache_queries = DecodeQueryStore()
+        self._obcache_untracked: list[str] = []
         faults.enabled()  # read the environment once, at start
         # Verification aid: kept indices per request and layer (OBCACHE_VLLM_RECORD_KEEP=1 only).
         self.obcache_records: OrderedDict[str, dict] | None = (
@@ -64,13 +75,11 @@ class EvictingRunnerMixin:
     # -- 1. request lifecycle -------------------------------------------------------------
     def _obcache_update_states(self, scheduler_output) -> None:
         for req_id in scheduler_output.finished_req_ids:
-            self.obcache_states.pop(req_id, None)
-            self._obcache_faults.pop(req_id, None)
+            self._obcache_drop(req_id)
         for req_id in getattr(scheduler_output, DISABLED_ATTR, None) or ():
             state = self.obcache_states.get(req_id)
             if state is not None and state.disabled is None:
-                state.disabled = "stopped by the scheduler"
-                state.drop_scoring_state()
+                self._obcache_disable(state, "stopped by the scheduler")
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
             state = self.obcache_states.get(req_id)
             if state is not None:
@@ -82,10 +91,12 @@ class EvictingRunnerMixin:
                 options = parse_validated_kv_options(
                     params.extra_args, len(new.prompt_token_ids), self.max_model_len
                 )
+            self._obcache_drop(new.req_id)  # a re-used id starts afresh
             if options is None:
-                self.obcache_states.pop(new.req_id, None)
                 continue
             state = self.obcache_states[new.req_id] = RequestKvState.create(options)
+            if state.buffers_decode_queries:
+                state.decode_slot = self.obcache_queries.acquire()
             fault = faults.requested(params.extra_args)
             if fault is not None:
                 self._obcache_faults[new.req_id] = fault
@@ -93,6 +104,19 @@ class EvictingRunnerMixin:
                 state.record = self.obcache_records[new.req_id] = {}
                 while len(self.obcache_records) > _MAX_RECORDS:
                     self.obcache_records.popitem(last=False)
+
+    def _obcache_drop(self, req_id: str) -> None:
+        state = self.obcache_states.pop(req_id, None)
+        self._obcache_faults.pop(req_id, None)
+        if state is not None and state.decode_slot is not None:
+            self.obcache_queries.release(state.decode_slot)
+
+    def _obcache_disable(self, state: RequestKvState, why: str) -> None:
+        state.disabled = why
+        state.drop_scoring_state()
+        if state.decode_slot is not None:
+            self.obcache_queries.release(state.decode_slot)
+            state.decode_slot = None
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         self._obcache_update_states(scheduler_output)
@@ -137,15 +161,15 @@ class EvictingRunnerMixin:
         return self._obcache_layer_index
 
     def _obcache_make_plan(self, scheduler_output) -> StepPlan | None:
-        if not self.obcache_states:
-            return None
         orders: dict[str, EvictionOrder] = getattr(scheduler_output, ORDERS_ATTR, None) or {}
+        if not self.obcache_states and not orders:
+            return None
         batch = self.input_batch
         num_reqs = batch.num_reqs
         block_size = self.cache_config.block_size
         qsl = self.query_start_loc.cpu[: num_reqs + 1].tolist()
         computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
-        dead, rows = [], []
+        dead, rows, writes = [], [], []
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             state = self.obcache_states.get(req_id)
             dead.append(state.dead if state is not None else 0)
@@ -161,6 +185,13 @@ class EvictingRunnerMixin:
                 detail = f"order {order} vs worker logical_len={logical_len} dead={state.dead}"
                 order, failure = None, ("schedule", "desync", detail)
             prompt_len = self.requests[req_id].num_prompt_tokens
+            prefill = computed[row] < prompt_len
+            position, score_decode, active = None, False, prefill or order is not None
+            if not prefill and state.decode_slot is not None and state.disabled is None:
+                position = state.decode_count
+                score_decode = order is not None or position + 1 >= self.obcache_queries.capacity
+                active = active or score_decode
+                writes.append((state.decode_slot, position, qsl[row]))
             plan_row = RowPlan(
                 row=row,
                 req_id=req_id,
@@ -170,33 +201,56 @@ class EvictingRunnerMixin:
                 q_end=qsl[row + 1],
                 logical_len=logical_len,
                 prompt_len=prompt_len,
-                prefill=computed[row] < prompt_len,
+                prefill=prefill,
                 order=order,
                 fault=self._obcache_faults.get(req_id),
+                decode_position=position,
+                score_decode=score_decode,
+                active=active or failure is not None,
             )
             plan_row.outcome.failure = failure
             rows.append(plan_row)
-        stray = sorted(set(orders) - {r.req_id for r in rows})
-        if stray:  # orders for requests without a worker state: nothing is done for them
-            logger.warning("eviction orders for requests the worker does not track: %s", stray)
+        # Orders for requests without a worker state (the worker never saw their options):
+        # nothing is done for them; reported as faults so the scheduler stops ordering.
+        self._obcache_untracked = sorted(set(orders) - {r.req_id for r in rows})
+        rows, groups = _group_decode_orders(rows)
+        decode_write = None
+        if writes:  # (slots, positions, token index) as tensors on the model's device
+            decode_write = tuple(
+                torch.tensor(column, dtype=torch.int64).to(self.device, non_blocking=True)
+                for column in zip(*writes, strict=True)
+            )
         return StepPlan(
             dead=tuple(dead),
             rows=tuple(rows),
             block_size=block_size,
             layer_index=self.obcache_layer_index,
+            decode_store=self.obcache_queries,
+            decode_write=decode_write,
+            groups=groups,
         )
 
     # -- 3. commit and report -------------------------------------------------------------
     def _obcache_commit(self) -> None:
         plan, self._obcache_plan = self._obcache_plan, None
-        if plan is None or not plan.rows:
+        untracked, self._obcache_untracked = self._obcache_untracked, []
+        if plan is None or not (plan.rows or untracked):
             return
         num_layers = len(self.obcache_layer_index)
         applied, failures, states = [], [], {}
+        for req_id in untracked:
+            failures.append(RowFailure(req_id, "schedule", "untracked"))
+            logger.warning(
+                "obcache: eviction fault for request %s (stage=schedule reason=untracked): "
+                "the worker has no eviction state for it; continues uncompressed",
+                req_id,
+            )
         for row in plan.rows:
             state, order, outcome = row.state, row.order, row.outcome
             compacted = outcome.compacted_layers
             failure = outcome.failure
+            if row.decode_position is not None:  # the stored queries: scored now, or one more
+                state.decode_count = 0 if row.score_decode else row.decode_position + 1
             if order is not None and failure is None and compacted != num_layers:
                 failure = ("compact", "not_applied", f"{compacted} of {num_layers} layers")
             if order is not None and compacted == num_layers:
@@ -210,8 +264,7 @@ class EvictingRunnerMixin:
                 torn = 0 < compacted < num_layers
                 stage, reason, detail = failure
                 failures.append(RowFailure(row.req_id, stage, reason, fatal=torn))
-                state.disabled = f"{stage}: {reason}"
-                state.drop_scoring_state()
+                self._obcache_disable(state, f"{stage}: {reason}")
                 logger.warning(
                     "obcache: eviction fault for request %s (stage=%s reason=%s): %s; %s",
                     row.req_id, stage, reason, detail,
@@ -243,3 +296,28 @@ class EvictingRunnerMixin:
         if report is not None and output is not None:
             setattr(output, REPORT_ATTR, report)
         return output
+
+
+def _group_decode_orders(rows: list[RowPlan]) -> tuple[tuple[RowPlan, ...], tuple[RowGroup, ...]]:
+    """Group the decode-time orders that can be batched (see ``core._group_after_attention``):
+    same scoring options, resident count, query count, kept count and block shift; no
+    injected fault. Rows of a group of two or more are marked ``grouped``."""
+    buckets: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.prefill or r.order is None or r.fault is not None or r.outcome.failure:
+            continue
+        o, state = r.state.options, r.state
+        queries = 1 if r.decode_position is None else r.decode_position + 1
+        key = (o.scorer, o.pipeline, o.window, o.per_head, o.recent, o.sinks, o.decode,
+               state.decode_mode, r.num_resident, queries, r.order.kept,
+               r.order.dead_after - r.order.dead_before)  # fmt: skip
+        buckets.setdefault(key, []).append(i)
+    groups = []
+    rows = list(rows)
+    for key, members in buckets.items():
+        if len(members) < 2:
+            continue
+        for i in members:
+            rows[i] = dataclasses.replace(rows[i], grouped=True)
+        groups.append(RowGroup(tuple(rows[i] for i in members), num_queries=key[9], shift=key[11]))
+    return tuple(rows), tuple(groups)

@@ -23,46 +23,48 @@ from obcache_vllm.scoring import Pipeline, RunningScores, Scorer
 DECODE_BUFFER = 64
 
 
-class QueryBuffer:
-    """Up to ``capacity`` queries [n, Hq, D] of one layer, preallocated on first use.
+class DecodeQueryStore:
+    """The decode queries of every budgeted request whose decode scores are summed, per layer.
 
-    Appending copies into the buffer (no clone + concatenate per step); :meth:`take` returns a
-    view of what is buffered and empties it, so the view must be consumed before the next
-    append (the attention layer scores it immediately).
+    One tensor per layer, ``[slots, capacity, Hq, D]``: each such request owns a slot (taken
+    when it is created, given back when it finishes) and its ``count`` buffered queries are
+    ``[slot, :count]``. A decode step writes the queries of ALL those requests of the batch in
+    one indexed copy per layer (:meth:`write`), instead of one small copy per request and layer;
+    a request's buffer is scored when it is full or at an order, then emptied by its count.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int = DECODE_BUFFER) -> None:
         self.capacity = capacity
-        self._buf: torch.Tensor | None = None  # [capacity, Hq, D]
-        self.count = 0
+        self._layers: dict[str, torch.Tensor] = {}  # layer -> [slots, capacity, Hq, D]
+        self._free: list[int] = []
+        self._num_slots = 0
 
-    def append(self, q: torch.Tensor) -> bool:
-        """Copy q [n, Hq, D] in (keeping the newest ``capacity``); True once the buffer is full."""
-        n = q.shape[0]
-        if self._buf is None or self._buf.shape[1:] != q.shape[1:] or self._buf.device != q.device:
-            self._buf = q.new_empty((self.capacity, *q.shape[1:]))
-            self.count = 0
-        if n >= self.capacity:
-            self._buf.copy_(q[-self.capacity :])
-            self.count = self.capacity
-        else:
-            if self.count + n > self.capacity:  # drop the oldest to make room
-                keep = self.capacity - n
-                self._buf[:keep] = self._buf[self.count - keep : self.count].clone()
-                self.count = keep
-            self._buf[self.count : self.count + n].copy_(q)
-            self.count += n
-        return self.count >= self.capacity
+    def acquire(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self._num_slots += 1
+        return self._num_slots - 1
 
-    def take(self) -> torch.Tensor | None:
-        """The buffered queries [count, Hq, D] (a view), or None if empty; empties the buffer."""
-        if self._buf is None or self.count == 0:
-            return None
-        view, self.count = self._buf[: self.count], 0
-        return view
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
 
-    def clear(self) -> None:
-        self.count = 0
+    def write(self, layer: str, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor):
+        """Store q [n, Hq, D] at ``[slots[i], positions[i]]`` of ``layer`` (one op)."""
+        buf = self._layers.get(layer)
+        if buf is None or buf.shape[0] < self._num_slots:
+            grown = q.new_zeros((max(2 * self._num_slots, 8), self.capacity, *q.shape[1:]))
+            if buf is not None:
+                grown[: buf.shape[0]] = buf
+            buf = self._layers[layer] = grown
+        buf[slots, positions] = q
+
+    def read(self, layer: str, slot: int, count: int) -> torch.Tensor:
+        """The first ``count`` stored queries of ``slot`` [count, Hq, D] (a view)."""
+        return self._layers[layer][slot, :count]
+
+    def read_many(self, layer: str, slots: torch.Tensor, count: int) -> torch.Tensor:
+        """The first ``count`` stored queries of each slot [R, count, Hq, D] (one op)."""
+        return self._layers[layer].index_select(0, slots)[:, :count]
 
 
 @dataclass
@@ -78,8 +80,10 @@ class RequestKvState:
     queries: dict[str, torch.Tensor] = field(default_factory=dict)
     # Running scores per layer (pipelines that score every prompt query; kv_decode at decode).
     running: dict[str, RunningScores] = field(default_factory=dict)
-    # Decode queries per layer not yet folded into the running scores.
-    decode_queries: dict[str, QueryBuffer] = field(default_factory=dict)
+    # Summed decode scores: the request's slot in the runner's DecodeQueryStore (None: not
+    # buffered) and how many decode queries it holds there, not yet folded into the scores.
+    decode_slot: int | None = None
+    decode_count: int = 0
     evictions: int = 0
     tokens_evicted: int = 0
     # Prompt tokens left by the prefill eviction (None: not evicted at prefill yet).
@@ -101,28 +105,24 @@ class RequestKvState:
         self.kept_prompt = None
         self.queries.clear()
         self.running.clear()
-        for buffer in self.decode_queries.values():
-            buffer.clear()
+        self.decode_count = 0
 
     def drop_scoring_state(self) -> None:
         """Free the buffers of a request that will not be scored again (after a fault)."""
         self.queries.clear()
         self.running.clear()
-        self.decode_queries.clear()
+        self.decode_count = 0
 
-    def buffer_decode_query(self, layer: str, q: torch.Tensor, capacity: int) -> bool:
-        """Append this step's decode query; True when the buffer must be scored now.
+    @property
+    def decode_mode(self) -> str:
+        """How decode-time scores accumulate: "last" (the newest query's) or "sum" (every
+        query's; window pipelines sum their decode scores as H2O does)."""
+        return self.pipeline.running_mode or "sum"
 
-        ``capacity``: DECODE_BUFFER for summed scores; 1 where only the newest query counts.
-        """
-        buffer = self.decode_queries.get(layer)
-        if buffer is None:
-            buffer = self.decode_queries[layer] = QueryBuffer(capacity)
-        return buffer.append(q.detach())
-
-    def take_decode_queries(self, layer: str) -> torch.Tensor | None:
-        buffer = self.decode_queries.get(layer)
-        return None if buffer is None else buffer.take()
+    @property
+    def buffers_decode_queries(self) -> bool:
+        """Whether every decode query must be kept until it is scored (summed scores)."""
+        return self.options.decode and self.pipeline.scored and self.decode_mode == "sum"
 
     def remember_queries(self, layer: str, q: torch.Tensor, window: int) -> None:
         """Keep the last ``window`` queries of the prompt seen so far (q [n, Hq, D])."""
@@ -169,12 +169,31 @@ class RowPlan:
     prefill: bool
     order: EvictionOrder | None
     fault: object | None = None
+    # Decode rows whose scores are summed: where this step's query is stored in the runner's
+    # DecodeQueryStore (None: not stored), and whether the stored queries are scored now.
+    decode_position: int | None = None
+    score_decode: bool = False
+    # False: nothing to do for this row in any layer this step (its query, if stored, is
+    # written by the batched store write).
+    active: bool = True
+    # True: handled with the other rows of its RowGroup (batched), not one by one.
+    grouped: bool = False
     outcome: RowOutcome = field(default_factory=RowOutcome)
 
     @property
     def num_resident(self) -> int:
         """Tokens of the request in the cache at the end of the step (before any compaction)."""
         return self.logical_len - self.state.dead * self.block_size
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Decode-time orders of several requests that are processed together, batched: the same
+    options, resident count, query count ``num_queries``, kept count and block shift."""
+
+    rows: tuple[RowPlan, ...]
+    num_queries: int
+    shift: int  # dead_after - dead_before, the same for all
 
 
 @dataclass
@@ -194,6 +213,10 @@ class StepPlan:
     read_block_table: torch.Tensor | None = None
     # Attention layer name -> index in the model (fault injection by layer).
     layer_index: dict[str, int] = field(default_factory=dict)
+    # This step's decode queries to store, for every layer: (slots, positions, token index).
+    decode_store: DecodeQueryStore | None = None
+    decode_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    groups: tuple[RowGroup, ...] = ()
 
     @property
     def shifts_reads(self) -> bool:

@@ -271,3 +271,17 @@ def test_swapping_the_score_changes_only_the_score(name):
         pipe.select(scores, keep=6, recent=2, sinks=1),
         select_keep(expected, keep=6, recent=2, sinks=1),
     )
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "streaming"])
+@pytest.mark.parametrize("per_head", [True, False])
+def test_select_batch_equals_select_of_each_request(name, per_head):
+    from obcache_vllm.scoring import make_pipeline
+
+    pipeline = make_pipeline(name, per_head=per_head)
+    scores = torch.randn(5, 3, 40, generator=torch.Generator().manual_seed(1))
+    scores[2, :, 7] = scores[2, :, 8]  # ties
+    batch = pipeline.select_batch(scores, keep=17, recent=4, sinks=2)
+    assert batch.shape == (5, 3, 17)
+    for r in range(5):
+        assert torch.equal(batch[r], pipeline.select(scores[r], keep=17, recent=4, sinks=2))

@@ -100,27 +100,31 @@ class CpuKvView:
 
     def gather(self, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         bs, d, hkv = self.block_size, self.layout.head_dim, self.num_kv_heads
-        nb = -(-num_tokens // bs)
-        slabs = self.slabs.index_select(0, blocks[:nb].long())  # [nb, Hkv, 2*bs*D]
+        rows, nb = blocks.shape[0], -(-num_tokens // bs)
+        ids = blocks[:, :nb].reshape(-1).long()  # [R*nb]
+        slabs = self.slabs.index_select(0, ids)  # [R*nb, Hkv, 2*bs*D]
 
         def unpack(offsets: torch.Tensor) -> torch.Tensor:
-            flat = slabs.index_select(2, offsets)  # [nb, Hkv, bs*D] slot-major
-            per_head = flat.view(nb, hkv, bs, d).permute(1, 0, 2, 3)  # [Hkv, nb, bs, D]
-            return per_head.reshape(hkv, nb * bs, d)[:, :num_tokens]  # [Hkv, N, D]
+            # gather with a broadcast (stride-0) index: one small index vector, no [.., N, D]
+            # index tensor, and ~10x faster than index_select on the last dim here.
+            flat = torch.gather(slabs, 2, offsets.expand(rows * nb, hkv, -1))  # [R*nb, Hkv, bs*D]
+            per_head = flat.view(rows, nb, hkv, bs, d).permute(0, 2, 1, 3, 4)  # [R, Hkv, nb, bs, D]
+            return per_head.reshape(rows, hkv, nb * bs, d)[:, :, :num_tokens]  # [R, Hkv, N, D]
 
         return unpack(self.layout.k_offsets), unpack(self.layout.v_offsets)
 
     def scatter(self, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         bs, d, hkv = self.block_size, self.layout.head_dim, self.num_kv_heads
-        num_tokens = keys.shape[1]
+        rows, num_tokens = keys.shape[0], keys.shape[2]
         nb = -(-num_tokens // bs)
-        slabs = self.slabs.new_zeros((nb, hkv, 2 * bs * d))  # [nb, Hkv, 2*bs*D]
-        for rows, offsets in ((keys, self.layout.k_offsets), (values, self.layout.v_offsets)):
-            padded = rows.new_zeros((hkv, nb * bs, d))  # [Hkv, nb*bs, D]
-            padded[:, :num_tokens] = rows
-            slot_major = padded.view(hkv, nb, bs * d).transpose(0, 1)  # [nb, Hkv, bs*D]
-            slabs[:, :, offsets] = slot_major
-        self.slabs.index_copy_(0, blocks[:nb].long(), slabs)
+        slabs = self.slabs.new_zeros((rows * nb, hkv, 2 * bs * d))  # [R*nb, Hkv, 2*bs*D]
+        for part, offsets in ((keys, self.layout.k_offsets), (values, self.layout.v_offsets)):
+            padded = part.new_zeros((rows, hkv, nb * bs, d))  # [R, Hkv, nb*bs, D]
+            padded[:, :, :num_tokens] = part
+            slot_major = padded.view(rows, hkv, nb, bs * d).transpose(1, 2)  # [R, nb, Hkv, bs*D]
+            slabs.scatter_(2, offsets.expand(rows * nb, hkv, -1),
+                           slot_major.reshape(rows * nb, hkv, bs * d))  # fmt: skip
+        self.slabs.index_copy_(0, blocks[:, :nb].reshape(-1).long(), slabs)
 
 
 def shift_block_table(

@@ -1,0 +1,61 @@
+"""Decode evictions of several requests in one step are batched; the result is the same.
+
+Requests with equal prompt lengths and budgets evict in lockstep, so the runner groups their
+orders (runner._group_decode_orders) and each layer gathers, scores, selects and scatters them
+in one op each (core._group_after_attention). Oracle: the same batch with grouping switched
+off, every request processed alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import POOL_BLOCKS
+from texts import haystack
+
+from obcache_vllm.vllm_ext import runner as runner_mod
+
+
+def _prompts(tokenizer, count: int) -> list[list[int]]:
+    return [tokenizer(haystack(12, seed=50 + i)).input_ids[:200] for i in range(count)]
+
+
+def _run(engine, prompts, kv, grouped: bool, monkeypatch):
+    from vllm import SamplingParams
+
+    groups_seen = []
+    original = runner_mod._group_decode_orders
+
+    def spy(rows):
+        rows, groups = original(rows) if grouped else (tuple(rows), ())
+        groups_seen.extend(len(g.rows) for g in groups)
+        return rows, groups
+
+    monkeypatch.setattr(runner_mod, "_group_decode_orders", spy)
+    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, extra_args=kv)
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)  # fmt: skip
+    monkeypatch.undo()
+    return [list(o.outputs[0].token_ids) for o in outs], groups_seen
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        pytest.param({"kv_pipeline": "tova", "kv_scorer": "obcache_key", "kv_per_head": False},
+                     id="tova-last-query-shared"),
+        pytest.param({"kv_pipeline": "h2o", "kv_scorer": "obcache_value"}, id="h2o-summed"),
+        pytest.param({"kv_pipeline": "streaming"}, id="streaming"),
+    ],
+)  # fmt: skip
+def test_batched_decode_evictions_equal_one_by_one(engine, tokenizer, monkeypatch, kv):
+    prompts = _prompts(tokenizer, 6)
+    kv = {"kv_budget": 64, "kv_decode": True, **kv}
+    totals = engine.scheduler.obcache_totals
+    before = totals.evictions
+    alone, none_grouped = _run(engine, prompts, kv, False, monkeypatch)
+    alone_evictions = totals.evictions - before
+    together, grouped = _run(engine, prompts, kv, True, monkeypatch)
+    assert not none_grouped and grouped and max(grouped) >= 2  # (chunked prefill staggers them)
+    assert together == alone
+    assert totals.evictions - before == 2 * alone_evictions
+    assert engine.free_blocks() == POOL_BLOCKS - 1
