@@ -11,6 +11,9 @@ Settings:
   query_agnostic  the document is compressed before the question is seen (``kv_compress_at``
                   = the document's token count); the question is prefilled on top
 
+Prefill eviction: ``prefill_evict`` sends ``kv_prefill_evict: true`` (evict after every prefill
+chunk; the engine's chunk is the harness's ``chunk``) and the method name gets ``+pe``.
+
 Selection: ``per_head`` (the default, ``kv_per_head: true``) lets every KV head keep its own top
 tokens; ``per_head=False`` sends ``kv_per_head: false`` (one ranking per layer, shared by its
 heads) and the method name gets a ``/shared`` suffix. Position-only methods (full, streaming)
@@ -49,6 +52,7 @@ class Cell:
     window: int = 0  # snapkv observation window (0: not applicable)
     engine: str = "vllm"  # "vllm" (this project) or "kvpress" (the reference)
     per_head: bool = True  # False: one ranking per layer (kv_per_head: false)
+    prefill_evict: bool = False  # True: evict after every prefill chunk (kv_prefill_evict)
 
     def __post_init__(self) -> None:
         if self.setting not in SETTINGS:
@@ -59,6 +63,8 @@ class Cell:
             raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget}")
         if not self.per_head and self.pipeline in POSITIONAL:
             raise ValueError(f"{self.pipeline!r} ranks nothing: per_head=False does not apply")
+        if self.prefill_evict and self.pipeline == FULL:
+            raise ValueError("the full cache evicts nothing: prefill_evict does not apply")
 
     @property
     def method(self) -> str:
@@ -69,6 +75,8 @@ class Cell:
         name = self.pipeline if self.pipeline == "streaming" else f"{self.pipeline}/{self.scorer}"
         if self.pipeline == "snapkv":
             name = f"{name}+w{self.window}"
+        if self.prefill_evict:
+            name = f"{name}+pe"
         return name if self.per_head else f"{name}/shared"
 
     @property
@@ -91,6 +99,8 @@ class Cell:
             args["kv_compress_at"] = document_tokens
         if not self.per_head:
             args["kv_per_head"] = False
+        if self.prefill_evict:
+            args["kv_prefill_evict"] = True
         return args
 
 

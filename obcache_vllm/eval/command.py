@@ -58,6 +58,10 @@ def _grid_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-head", dest="per_heads", type=_csv(_bool), default=[True],
                    help="token selection: true = per KV head, false = one ranking per layer "
                    "(kv_per_head); e.g. true,false")
+    p.add_argument("--prefill-evict", dest="prefill_evicts", type=_csv(_bool), default=[False],
+                   help="comma-separated booleans: kv_prefill_evict per cell (true,false)")
+    p.add_argument("--chunk", type=int, default=2048,
+                   help="prefill chunk of the engine (max_num_batched_tokens)")
     p.add_argument("--no-full", dest="full", action="store_false",
                    help="skip the full-cache cells")
     p.add_argument("--model", default=None, help="HF model directory (default: the default model)")
@@ -90,7 +94,7 @@ def _cells(args, engine: str):
         tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
         chat=args.chat, pipelines=args.pipelines, scorers=args.scorers, budgets=args.budgets,
         settings=args.settings, windows=args.windows, per_heads=args.per_heads, full=args.full,
-        engine=engine,
+        prefill_evicts=args.prefill_evicts, engine=engine,
     )  # fmt: skip
 
 
@@ -103,7 +107,7 @@ def eval_command(args: argparse.Namespace) -> int:
         max_len = max(args.lengths) * 2 + 512
         harness = Harness(
             results, model=args.model, lock=args.lock, max_batch=args.max_batch,
-            max_model_len=min(8192, max_len), progress=args.progress,
+            max_model_len=min(8192, max_len), progress=args.progress, chunk=args.chunk,
         )  # fmt: skip
         todo = harness.pending(cells)
         print(f"eval: {len(cells)} cells, {len(todo)} to compute -> {results}", file=sys.stderr)

@@ -30,14 +30,16 @@ def grid(
     settings: Sequence[str] = EVICTION_SETTINGS,
     windows: Sequence[int] = (64,),
     per_heads: Sequence[bool] = (True,),
+    prefill_evicts: Sequence[bool] = (False,),
     full: bool = True,
     engine: str = "vllm",
 ) -> list[Cell]:
     """Full-cache cells first (if ``full``), then every eviction cell of the product.
 
     ``streaming`` has no score, so it gets one cell per budget and setting (scorer ``-``), and
-    ``windows`` only multiply ``snapkv`` cells. ``per_heads`` multiply ranked cells; kvpress
-    cells ignore it and get the selection their press implements (:data:`KVPRESS_PER_HEAD`).
+    ``windows`` only multiply ``snapkv`` cells; ``prefill_evicts`` multiply every eviction
+    cell. ``per_heads`` multiply ranked cells; kvpress cells ignore it and get the selection
+    their press implements (:data:`KVPRESS_PER_HEAD`).
     """
     common = dict(samples=samples, seed=seed, chat=chat, engine=engine)
     cells = []
@@ -45,12 +47,15 @@ def grid(
         if full:
             cells.append(Cell(task, length, FULL, FULL, "-", 1.0, **common))
         for setting, budget, pipeline in itertools.product(settings, budgets, pipelines):
-            if pipeline == "streaming":
-                cells.append(Cell(task, length, setting, pipeline, "-", budget, **common))
-                continue
-            selections = (KVPRESS_PER_HEAD[pipeline],) if engine == "kvpress" else per_heads
-            for scorer, per_head in itertools.product(scorers, selections):
-                for w in windows if pipeline == "snapkv" else (0,):
-                    cells.append(Cell(task, length, setting, pipeline, scorer, budget, window=w,
-                                      per_head=per_head, **common))  # fmt: skip
+            for pe in prefill_evicts:
+                if pipeline == "streaming":
+                    cells.append(Cell(task, length, setting, pipeline, "-", budget,
+                                      prefill_evict=pe, **common))  # fmt: skip
+                    continue
+                selections = (KVPRESS_PER_HEAD[pipeline],) if engine == "kvpress" else per_heads
+                for scorer, per_head in itertools.product(scorers, selections):
+                    for w in windows if pipeline == "snapkv" else (0,):
+                        cells.append(Cell(task, length, setting, pipeline, scorer, budget,
+                                          window=w, per_head=per_head, prefill_evict=pe,
+                                          **common))  # fmt: skip
     return cells

@@ -96,6 +96,7 @@ class Harness:
         max_model_len: int = 4096,
         progress: bool = True,
         llm=None,
+        chunk: int = 2048,
     ) -> None:
         """``llm``: an existing ``vllm.LLM`` with the plugin active (else one is started)."""
         self.results = Path(results)
@@ -104,6 +105,7 @@ class Harness:
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.progress = progress
+        self.chunk = chunk  # max_num_batched_tokens: the prefill chunk
         self._llm = llm
         self._own_llm = llm is None
         self._tokenizer = None
@@ -138,7 +140,7 @@ class Harness:
                     enforce_eager=True,
                     block_size=BLOCK_SIZE,
                     max_model_len=self.max_model_len,
-                    max_num_batched_tokens=2048,
+                    max_num_batched_tokens=self.chunk,
                     max_num_seqs=self.max_batch,
                     seed=0,
                 )

@@ -257,3 +257,20 @@ def test_report_pairs_scorers_with_attn_on_the_same_samples(tmp_path):
     md = (tmp_path / "RESULTS.md").read_text()
     lines = [line for line in md.splitlines() if "| obcache_key | 0.75 | 0.50 |" in line]
     assert len(lines) == 1 and "snapkv+w16" in lines[0] and "| 2 / 1 |" in lines[0], md
+
+
+def test_prefill_evict_cells_send_the_option_and_are_named_apart():
+    from obcache_vllm.eval.cells import Cell
+    from obcache_vllm.eval.grid import grid
+
+    cells = grid(tasks=["niah_single"], lengths=[2048], samples=4, seed=0, chat=True,
+                 pipelines=["snapkv", "streaming"], scorers=["attn"], budgets=[0.1],
+                 settings=["query_aware"], windows=[1], prefill_evicts=[False, True])
+    evicting = [c for c in cells if c.pipeline != "full"]
+    assert len(evicting) == 4 and sum(c.prefill_evict for c in evicting) == 2
+    pe = next(c for c in evicting if c.prefill_evict and c.pipeline == "snapkv")
+    assert pe.extra_args(1000)["kv_prefill_evict"] is True and pe.method.endswith("+pe")
+    plain = next(c for c in evicting if not c.prefill_evict and c.pipeline == "snapkv")
+    assert "kv_prefill_evict" not in plain.extra_args(1000) and pe.key != plain.key
+    with pytest.raises(ValueError, match="prefill_evict"):
+        Cell("niah_single", 512, "full", "full", "-", 1.0, 4, 0, True, prefill_evict=True)
