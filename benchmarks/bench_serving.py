@@ -105,7 +105,8 @@ def worker(args) -> dict:
     kv = None if args.stock else w.kv
     params = SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True,
                             extra_args=kv, output_kind=RequestOutputKind.DELTA)
-    llm.generate([{"prompt_token_ids": prompts[0][:128]}], params, use_tqdm=False)  # warm-up
+    # Warm-up; LLM.generate sets output_kind=FINAL_ONLY on the params it is given: a copy.
+    llm.generate([{"prompt_token_ids": prompts[0][:128]}], params.clone(), use_tqdm=False)
 
     preemptions = [0]
     preempt = scheduler._preempt_request
