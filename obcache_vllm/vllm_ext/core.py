@@ -161,32 +161,25 @@ def evict_after_attention(
     if plan.decode_write is not None:  # every summed-score decode query of the step, one op
         slots, positions, tokens = plan.decode_write
         plan.decode_store.write(layer, slots, positions, query.index_select(0, tokens))
-    alone = set()  # rows of a group whose batched work failed in this layer: one by one
     for group in plan.groups:
         rows = [r for r in group.rows if r.state.disabled is None and r.outcome.failure is None]
         if not rows:
             continue
         try:
             _group_after_attention(plan, group, rows, layer, query, view, geom)
-        except Exception as exc:
-            if any(r.outcome.writing for r in rows):  # the one scatter of the group failed
-                for r in rows:
-                    r.outcome.failure = ("compact", type(exc).__name__, f"{layer}: {exc}")
-                    r.outcome.writing = False
-            else:  # nothing written: redo them one by one, so a fault names its own request
-                alone.update(r.row for r in rows)
+        except Exception as exc:  # a batched op failed: a fault of every request in it
+            writing = any(r.outcome.writing for r in rows)
+            for r in rows:
+                r.outcome.fail("compact" if writing else "score", exc, f"{layer} (batched)")
     for row in plan.rows:
-        if not row.active or row.state.disabled is not None or row.outcome.failure is not None:
+        if not row.active or row.grouped or row.state.disabled is not None:
             continue
-        if row.grouped and row.row not in alone:
+        if row.outcome.failure is not None:
             continue
         try:
             _row_after_attention(plan, row, layer, query, view, geom)
         except Exception as exc:  # contained: see the module docstring
-            stage = "compact" if row.outcome.writing else "score"
-            reason = "injected" if isinstance(exc, InjectedFault) else type(exc).__name__
-            row.outcome.failure = (stage, reason, f"{layer}: {exc}")
-            row.outcome.writing = False
+            row.outcome.fail("compact" if row.outcome.writing else "score", exc, layer)
     plan.timings.append(time.perf_counter() - start)
 
 

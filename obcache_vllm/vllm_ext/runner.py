@@ -261,7 +261,7 @@ class EvictingRunnerMixin:
                     state.kept_prompt = order.kept + row.prompt_len - order.logical_len
                 applied.append(row.req_id)
             if failure is not None:
-                torn = 0 < compacted < num_layers
+                torn = outcome.torn(num_layers)
                 stage, reason, detail = failure
                 failures.append(RowFailure(row.req_id, stage, reason, fatal=torn))
                 self._obcache_disable(state, f"{stage}: {reason}")

@@ -147,6 +147,25 @@ class RowOutcome:
     failure: tuple[str, str, str] | None = None
     # True while one layer writes the order's kept tokens (a fault then tears that layer).
     writing: bool = False
+    # A fault struck while a layer was being written: that layer may be half-written.
+    touched: bool = False
+
+    def fail(self, stage: str, exc: Exception, where: str) -> None:
+        """Record the row's first contained fault (``reason``: the exception's type, or
+        ``injected`` for a test's :class:`~obcache_vllm.vllm_ext.faults.InjectedFault`)."""
+        from obcache_vllm.vllm_ext.faults import InjectedFault
+
+        reason = "injected" if isinstance(exc, InjectedFault) else type(exc).__name__
+        if self.failure is None:
+            self.failure = (stage, reason, f"{where}: {exc}")
+        self.touched = self.touched or self.writing
+        self.writing = False
+
+    def torn(self, num_layers: int) -> bool:
+        """Whether the request's cache is neither as before (no layer written) nor compacted
+        in every layer: it cannot be attended to any more."""
+        written = self.compacted_layers + (1 if self.touched else 0)
+        return 0 < written and self.compacted_layers < num_layers
 
 
 @dataclass(frozen=True)
