@@ -34,7 +34,7 @@ def worker(args) -> dict:
     from vllm import SamplingParams
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # to read the scheduler each step
-    llm = common.engine(args.model, args.pool, 8192, max_num_batched_tokens=args.chunk)
+    llm = common.engine(args.model, args.pool, args.tokens + 64, max_num_batched_tokens=args.chunk)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
