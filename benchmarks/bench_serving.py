@@ -106,7 +106,9 @@ def worker(args) -> dict:
     params = SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True,
                             extra_args=kv, output_kind=RequestOutputKind.DELTA)
     # Warm-up; LLM.generate sets output_kind=FINAL_ONLY on the params it is given: a copy.
-    llm.generate([{"prompt_token_ids": prompts[0][:128]}], params.clone(), use_tqdm=False)
+    warm = params.clone()
+    warm.max_tokens = 2
+    llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
 
     preemptions = [0]
     preempt = scheduler._preempt_request
