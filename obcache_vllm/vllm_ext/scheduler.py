@@ -35,13 +35,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
-from obcache_vllm.options import KvOptions, parse_validated_kv_options
+from obcache_vllm.options import parse_validated_kv_options
 from obcache_vllm.planning import (
     DISABLED_ATTR,
     ORDERS_ATTR,
@@ -53,86 +52,18 @@ from obcache_vllm.planning import (
     plan_eviction,
 )
 from obcache_vllm.vllm_ext import faults
+from obcache_vllm.vllm_ext.sched_state import (
+    BlockNotWritableError,
+    FinishedKvRecord,
+    SchedKvState,
+    SchedulerEvictionTotals,
+    log_fault,
+)
 
 logger = logging.getLogger(__name__)
 
-def _log_fault(req_id: str, stage: str, reason: str, detail: str, fate: str) -> None:
-    """The one log line of a contained eviction fault (operators grep for the request id)."""
-    logger.warning(
-        "obcache: eviction fault for request %s (stage=%s reason=%s): %s; %s",
-        req_id, stage, reason, detail, fate,
-    )  # fmt: skip
-
-
-class BlockNotWritableError(RuntimeError):
-    """A block that would receive kept tokens is shared or in the prefix cache."""
-
-
 # Bound on what waits for the next make_stats (it runs every step when stats are on).
 _PENDING_MAX = 4096
-
-
-@dataclass
-class SchedKvState:
-    """Scheduler-side state of one budgeted request (created on add, dropped on finish)."""
-
-    options: KvOptions
-    prompt_len: int
-    dead: int = 0
-    # The prefill eviction (at the compress point) has been ordered.
-    compressed: bool = False
-    evictions: int = 0
-    tokens_evicted: int = 0
-    blocks_freed: int = 0
-    # Prompt tokens left after the prefill eviction (None: not evicted at prefill).
-    kept_prompt: int | None = None
-    # Why eviction stopped for this request ("stage: reason"); it then runs uncompressed.
-    disabled: str | None = None
-    fault: faults.Fault | None = None  # test-only (faults.py)
-
-    def outcome(self, resident: int) -> dict:
-        """The request's KV outcome as reported to the client (``usage.obcache``)."""
-        return {
-            "resident_tokens": resident,
-            "evicted_tokens": self.tokens_evicted,
-            "freed_blocks": self.blocks_freed,
-            "evictions": self.evictions,
-            "prompt_tokens_kept": self.prompt_len if self.kept_prompt is None else self.kept_prompt,
-            "budget": self.options.budget,
-            "scorer": self.options.scorer,
-            "pipeline": self.options.pipeline,
-            **({"fault": self.disabled} if self.disabled is not None else {}),
-        }
-
-
-@dataclass(frozen=True)
-class FinishedKvRecord:
-    """KV outcome of one finished budgeted request."""
-
-    req_id: str
-    resident_tokens: int
-    tokens_evicted: int
-    evictions: int
-    prompt_len: int = 0
-    kept_prompt: int = 0
-    blocks_freed: int = 0
-    scorer: str = ""
-    pipeline: str = ""
-
-
-@dataclass
-class SchedulerEvictionTotals:
-    """Cumulative counters of this engine (read by metrics and tests)."""
-
-    evictions: int = 0
-    tokens_evicted: int = 0
-    blocks_freed: int = 0
-    orders_not_applied: int = 0
-    scoring_seconds: float = 0.0
-    # Contained faults: (stage, reason) -> count (vllm:obcache_eviction_failures_total).
-    failures: dict[tuple[str, str], int] = field(default_factory=dict)
-    # Requests finished with an error because their cache was torn.
-    failed_requests: int = 0
 
 
 class OBCacheScheduler(Scheduler):
@@ -293,7 +224,7 @@ class OBCacheScheduler(Scheduler):
             for req_id in orders:  # the worker's report of these orders is missing
                 self.obcache_totals.orders_not_applied += 1
                 self._count_failure("report", "missing")
-                _log_fault(
+                log_fault(
                     req_id, "report", "missing", "no worker report for its order",
                     "its blocks are freed once a later report shows the worker's state",
                 )  # fmt: skip
@@ -373,7 +304,7 @@ class OBCacheScheduler(Scheduler):
         if torn:
             self.obcache_totals.failed_requests += 1
         fate = "its cache is torn: finished with an error" if torn else "continues uncompressed"
-        _log_fault(req_id, stage, reason, detail, fate)
+        log_fault(req_id, stage, reason, detail, fate)
 
     def _attach_outcomes(self, outputs) -> None:
         """Put each budgeted request's KV outcome on its output (see the module docstring)."""
