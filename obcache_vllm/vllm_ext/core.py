@@ -156,19 +156,23 @@ def evict_after_attention(
     """This layer's eviction work for every budgeted row of the step; faults stay in their row."""
     start = time.perf_counter()
     for row in plan.rows:
-        if row.state.disabled is not None or row.outcome.failure is not None:
-            continue
-        try:
-            _row_after_attention(plan, row, layer, query, view, geom)
-        except Exception as exc:  # contained: see the module docstring
-            stage = "compact" if row.outcome.writing else "score"
-            reason = "injected" if isinstance(exc, InjectedFault) else type(exc).__name__
-            row.outcome.failure = (stage, reason, f"{layer}: {exc}")
-            row.outcome.writing = False
+        # Tensor parallelism, one ranking per layer: every rank enters this row's all-reduce
+        # once per layer, also when it gave the row up (see StepPlan.ranking_reduction).
+        reduction = plan.ranking_reduction(row)
+        if row.state.disabled is None and row.outcome.failure is None:
+            try:
+                _row_after_attention(plan, row, layer, query, view, geom, reduction)
+            except Exception as exc:  # contained: see the module docstring
+                stage = "compact" if row.outcome.writing else "score"
+                reason = "injected" if isinstance(exc, InjectedFault) else type(exc).__name__
+                row.outcome.failure = (stage, reason, f"{layer}: {exc}")
+                row.outcome.writing = False
+        if reduction is not None:
+            reduction.join(row.num_resident, query.device)
     plan.timings.append(time.perf_counter() - start)
 
 
-def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> None:
+def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, reduction) -> None:
     """Bookkeeping and, if ordered, compaction of one budgeted request in one layer.
 
     Cheap every step: prefill chunks remember the last window queries; decode steps (with
@@ -205,7 +209,9 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> N
     if order is None:
         return
 
-    keep = pipeline.select(scores, keep=order.kept, recent=opts.recent, sinks=opts.sinks)
+    keep = pipeline.select(
+        scores, keep=order.kept, recent=opts.recent, sinks=opts.sinks, reduce=reduction
+    )
     if state.record is not None:
         state.record[layer] = keep.clone()
     index = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])  # [Hkv, K, D]

@@ -16,6 +16,12 @@ methods that the CPU and GPU runners share. Per step:
    ``sample_tokens`` attaches the :class:`EvictionReport` to the ``ModelRunnerOutput`` (an extra
    attribute survives the pickle to EngineCore). The report carries each budgeted row's
    cumulative state, so a lost report is made good by the next one.
+
+Tensor parallelism: every rank runs this on its own KV heads with the same plan (the scheduler
+output is broadcast); per-head selection keeps the same COUNT on every rank, so one block
+table stays valid. A layer ranking shared by the heads (``kv_per_head=false``) is summed over
+the TP group (``StepPlan.head_reduce``), and the ranks agree on every row's outcome before
+committing (:func:`~obcache_vllm.vllm_ext.step.agree_across_ranks`): only rank 0 reports.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from obcache_vllm.planning import (
 )
 from obcache_vllm.vllm_ext import faults
 from obcache_vllm.vllm_ext.core import EvictingBuilderMixin
-from obcache_vllm.vllm_ext.step import RequestKvState, RowPlan, StepPlan
+from obcache_vllm.vllm_ext.step import RequestKvState, RowPlan, StepPlan, agree_across_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ class EvictingRunnerMixin:
         self._obcache_report: EvictionReport | None = None
         self._obcache_layer_index: dict[str, int] | None = None
         self._obcache_faults: dict[str, faults.Fault] = {}
+        self._obcache_tp_handles = None  # see _obcache_tp
         faults.enabled()  # read the environment once, at start
         # Verification aid: kept indices per request and layer (OBCACHE_VLLM_RECORD_KEEP=1 only).
         self.obcache_records: OrderedDict[str, dict] | None = (
@@ -184,7 +191,25 @@ class EvictingRunnerMixin:
             rows=tuple(rows),
             block_size=block_size,
             layer_index=self.obcache_layer_index,
+            head_reduce=self._obcache_tp()[0],
         )
+
+    def _obcache_tp(self):
+        """(all-reduce of a device tensor, host process group) of the tensor-parallel group,
+        or (None, None) on a single rank. vLLM's TP group exists before the runner does."""
+        if self._obcache_tp_handles is None:
+            from vllm.distributed import (
+                get_tensor_model_parallel_world_size,
+                get_tp_group,
+                tensor_model_parallel_all_reduce,
+            )
+
+            if get_tensor_model_parallel_world_size() > 1:
+                handles = (tensor_model_parallel_all_reduce, get_tp_group().cpu_group)
+            else:
+                handles = (None, None)
+            self._obcache_tp_handles = handles
+        return self._obcache_tp_handles
 
     # -- 3. commit and report -------------------------------------------------------------
     def _obcache_commit(self) -> None:
@@ -192,6 +217,9 @@ class EvictingRunnerMixin:
         if plan is None or not plan.rows:
             return
         num_layers = len(self.obcache_layer_index)
+        tp_group = self._obcache_tp()[1]
+        if tp_group is not None:  # every rank commits the same outcome (see agree_across_ranks)
+            agree_across_ranks(plan.rows, num_layers, tp_group)
         applied, failures, states = [], [], {}
         for row in plan.rows:
             state, order, outcome = row.state, row.order, row.outcome
