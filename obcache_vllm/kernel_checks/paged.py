@@ -33,7 +33,7 @@ from obcache_vllm.vllm_ext.backends.flash_attn_layout import (
 )
 
 
-def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale):
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale):
     """q [n, Hq, D]; k, v [Hkv, L, D] (fp32); visible [n, L] bool -> [n, Hq, D]."""
     group = q.shape[1] // k.shape[0]
     k = k.repeat_interleave(group, dim=0)  # [Hq, L, D]  query head h reads KV head h // G
@@ -78,7 +78,7 @@ def paged_attention_reference(query, kv_cache, block_table, seq_lens, query_star
         i = torch.arange(n, device=query.device).unsqueeze(1)
         j = torch.arange(seq_len, device=query.device).unsqueeze(0)
         visible = j <= seq_len - n + i  # [n, L]
-        out[lo:hi] = _sdpa_gqa(query[lo:hi].float(), k, v, visible, scale)
+        out[lo:hi] = sdpa_gqa(query[lo:hi].float(), k, v, visible, scale)
     return out
 
 
@@ -184,7 +184,7 @@ def check_shifted_reads(layout: str, device, dtype=torch.float16, head_dim=64) -
         visible = torch.arange(keys.shape[1], device=device) <= first + torch.arange(
             case.new, device=device
         ).unsqueeze(1)  # [n, K + n]
-        expected.append(_sdpa_gqa(q.float(), keys, values, visible, scale))
+        expected.append(sdpa_gqa(q.float(), keys, values, visible, scale))
         queries.append(q)
         lens.append(case.cached + case.new)
 

@@ -12,6 +12,10 @@ rather than silently compacting KV through a changed interface. Then, process-lo
   worker builds its runner by this module-global name).
 * ``AttentionBackendEnum.CPU_ATTN`` ->
   :class:`~obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUBackend`.
+* On CUDA instead (:func:`~obcache_vllm.vllm_ext.backends.flash_attn.install_cuda`, with its
+  own pinned seams): ``gpu_worker.Worker._make_model_runner`` builds
+  :class:`~obcache_vllm.vllm_ext.backends.flash_attn.OBCacheGPUModelRunner` on the V1 path,
+  and ``AttentionBackendEnum.FLASH_ATTN`` -> ``OBCacheFlashAttnBackend``.
 * ``InputProcessor.process_inputs``: kv_* options are validated in the front-end, before the
   request reaches the engine (``VLLMValidationError`` -> HTTP 400), including configurations
   that cannot evict (they refuse budgeted requests only).
@@ -324,10 +328,9 @@ def check_compatibility() -> None:
 
 def unsupported_reason(vllm_config) -> str | None:
     """Why budgeted requests cannot be served by this engine configuration, or None."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return "KV eviction is implemented for vLLM's CPU backend only (so far)"
+    reason = _platform_unsupported_reason(vllm_config)
+    if reason is not None:
+        return reason
     if vllm_config.speculative_config is not None:
         return "speculative decoding is not supported with kv_budget"
     if vllm_config.kv_transfer_config is not None:
@@ -345,6 +348,39 @@ def unsupported_reason(vllm_config) -> str | None:
     if vllm_config.use_v2_model_runner:
         return "the V2 model runner is not supported with kv_budget (VLLM_USE_V2_MODEL_RUNNER=0)"
     return None
+
+
+def _platform_unsupported_reason(vllm_config) -> str | None:
+    """The refusals of the platform's attention adapter (CPU: none; CUDA: FLASH_ATTN's)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return None
+    if current_platform.is_cuda():
+        from obcache_vllm.vllm_ext.backends.flash_attn import FlashAttnAdapter
+
+        return FlashAttnAdapter.unsupported_reason(vllm_config)
+    return "KV eviction is implemented for vLLM's CPU and CUDA (FLASH_ATTN) backends only"
+
+
+def _install_platform_backend() -> None:
+    """The worker-side patches of the platform's attention adapter (idempotent)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+        from vllm.v1.worker import cpu_worker
+
+        from obcache_vllm.vllm_ext.backends.cpu import OBCacheCPUModelRunner
+
+        cpu_worker.CPUModelRunner = OBCacheCPUModelRunner
+        register_backend(
+            AttentionBackendEnum.CPU_ATTN, "obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUBackend"
+        )
+    elif current_platform.is_cuda():
+        from obcache_vllm.vllm_ext.backends.flash_attn import install_cuda
+
+        install_cuda()
 
 
 def validate_request(vllm_config, engine_request) -> None:
@@ -428,18 +464,8 @@ def install() -> None:
     if API_SERVER_MODULE in sys.modules:
         install_api_server()
     from vllm.config.scheduler import SchedulerConfig
-    from vllm.platforms import current_platform
     from vllm.v1.engine.input_processor import InputProcessor
 
     patch_method(SchedulerConfig, "get_scheduler_cls", _wrap_get_scheduler_cls)
     patch_method(InputProcessor, "process_inputs", _wrap_process_inputs)
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-        from vllm.v1.worker import cpu_worker
-
-        from obcache_vllm.vllm_ext.backends.cpu import OBCacheCPUModelRunner
-
-        cpu_worker.CPUModelRunner = OBCacheCPUModelRunner
-        register_backend(
-            AttentionBackendEnum.CPU_ATTN, "obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUBackend"
-        )
+    _install_platform_backend()

@@ -139,7 +139,11 @@ def shift_rows_in_place(
 
 class DeadCounts:
     """Per-row dead-block counts staged for the device: a pinned host buffer copied without
-    blocking into a persistent device buffer (vLLM's own CpuGpuBuffer pattern)."""
+    blocking into a persistent device buffer (vLLM's own CpuGpuBuffer pattern).
+
+    The host buffer is rewritten at the next step's build; by then the copy has completed,
+    because the synchronous scheduler's step waits for its sampled tokens (an event after
+    everything the step enqueued), as vLLM's own per-step buffers rely on too."""
 
     def __init__(self, device: torch.device | str, capacity: int = 256) -> None:
         self.device = torch.device(device)
