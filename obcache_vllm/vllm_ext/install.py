@@ -328,7 +328,9 @@ def check_compatibility() -> None:
 
 def unsupported_reason(vllm_config) -> str | None:
     """Why budgeted requests cannot be served by this engine configuration, or None."""
-    reason = _platform_unsupported_reason(vllm_config)
+    from obcache_vllm.vllm_ext.backends import platform_unsupported_reason
+
+    reason = platform_unsupported_reason(vllm_config)
     if reason is not None:
         return reason
     if vllm_config.speculative_config is not None:
@@ -348,39 +350,6 @@ def unsupported_reason(vllm_config) -> str | None:
     if vllm_config.use_v2_model_runner:
         return "the V2 model runner is not supported with kv_budget (VLLM_USE_V2_MODEL_RUNNER=0)"
     return None
-
-
-def _platform_unsupported_reason(vllm_config) -> str | None:
-    """The refusals of the platform's attention adapter (CPU: none; CUDA: FLASH_ATTN's)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return None
-    if current_platform.is_cuda():
-        from obcache_vllm.vllm_ext.backends.flash_attn import FlashAttnAdapter
-
-        return FlashAttnAdapter.unsupported_reason(vllm_config)
-    return "KV eviction is implemented for vLLM's CPU and CUDA (FLASH_ATTN) backends only"
-
-
-def _install_platform_backend() -> None:
-    """The worker-side patches of the platform's attention adapter (idempotent)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-        from vllm.v1.worker import cpu_worker
-
-        from obcache_vllm.vllm_ext.backends.cpu import OBCacheCPUModelRunner
-
-        cpu_worker.CPUModelRunner = OBCacheCPUModelRunner
-        register_backend(
-            AttentionBackendEnum.CPU_ATTN, "obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUBackend"
-        )
-    elif current_platform.is_cuda():
-        from obcache_vllm.vllm_ext.backends.flash_attn import install_cuda
-
-        install_cuda()
 
 
 def validate_request(vllm_config, engine_request) -> None:
@@ -468,4 +437,6 @@ def install() -> None:
 
     patch_method(SchedulerConfig, "get_scheduler_cls", _wrap_get_scheduler_cls)
     patch_method(InputProcessor, "process_inputs", _wrap_process_inputs)
-    _install_platform_backend()
+    from obcache_vllm.vllm_ext.backends import install_platform_backend
+
+    install_platform_backend()

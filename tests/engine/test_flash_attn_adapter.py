@@ -219,15 +219,15 @@ def test_unsupported_configurations_are_refused(override, match):
 def test_platform_dispatch_of_refusals(monkeypatch):
     from vllm.platforms import current_platform
 
-    from obcache_vllm.vllm_ext import install
+    from obcache_vllm.vllm_ext import backends
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
     full = _config(**{"compilation_config.cudagraph_mode": _mode("FULL_AND_PIECEWISE")})
-    assert "full CUDA graphs" in install._platform_unsupported_reason(full)
-    assert install._platform_unsupported_reason(_config()) is None
+    assert "full CUDA graphs" in backends.platform_unsupported_reason(full)
+    assert backends.platform_unsupported_reason(_config()) is None
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: False)
-    assert "CPU and CUDA" in install._platform_unsupported_reason(_config())
+    assert "CPU and CUDA" in backends.platform_unsupported_reason(_config())
 
 
 @pytest.fixture

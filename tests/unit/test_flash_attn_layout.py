@@ -88,3 +88,22 @@ def test_dead_counts_pad_with_zeros_and_grow():
 def test_view_rejects_a_cache_that_is_not_fa_shaped():
     with pytest.raises(ValueError, match="2\\*64"):
         FlashAttnKvView(torch.zeros(4, 2, 16, 64), head_dim=64)
+
+
+def test_the_kernel_checks_import_without_vllm():
+    """scripts/gpu_kernels_check.sh runs where vLLM is not installed: importing the checks (and
+    the packages above flash_attn_layout) must not import it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, obcache_vllm.kernel_checks.paged, obcache_vllm.kernel_checks.scorers\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
