@@ -172,6 +172,13 @@ def check_outputs(stock: dict, plugin: dict, batches: list[dict], pool: int) -> 
     same = [(b, r) for b, r in unbudgeted if tokens(stock, b).get(r) == tokens(plugin, b).get(r)]
     record("identity", len(same) == len(unbudgeted),
            f"{len(same)}/{len(unbudgeted)} unbudgeted requests == stock (all batches)")  # fmt: skip
+    prefix = [(f"prefix {i}", rid) for i, rid in ((1, "p0"), (3, "p2"), (4, "p4"))]
+    same = sum(tokens(stock, b).get(r) == tokens(plugin, b).get(r) is not None for b, r in prefix)
+    compressed = [plugin["batches"][b]["outputs"].get(r, {}).get("outcome") or {}
+                  for b, r in (("prefix 2", "p1"), ("prefix 4", "p3"))]  # fmt: skip
+    record("prefix cache", same == 3 and all(o.get("evictions") == 1 for o in compressed),
+           f"{same}/3 uncompressed requests after compressed ones sharing their prefix == stock; "
+           f"compressed ones evicted {[o.get('evictions') for o in compressed]}")  # fmt: skip
     noop = plugin["batches"]["no-op budget"]["outputs"].get("n0", {})
     ok = noop.get("tokens") == tokens(stock, "no-op budget").get("n0")
     record("no-op budget", ok and (noop.get("outcome") or {}).get("evictions") == 0,

@@ -9,13 +9,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
-"$PYTHON" - <<'PY'
-import sys
+case " $* " in *" --cpu-dry-run "*) WANT_GPU=0 ;; *) WANT_GPU=1 ;; esac
+WANT_GPU=$WANT_GPU "$PYTHON" - <<'PY'
+import os, sys
 try:
     import torch, vllm
 except ImportError as exc:
     sys.exit(f"gpu_check: {exc}: needs vLLM 0.32.0 (CUDA build) in this Python")
-if vllm.__version__ != "0.32.0" or not torch.cuda.is_available():
+gpu = os.environ["WANT_GPU"] == "1"
+if vllm.__version__ != "0.32.0" or (gpu and not torch.cuda.is_available()):
     sys.exit(f"gpu_check: needs vLLM 0.32.0 and a CUDA GPU (vllm {vllm.__version__}, "
              f"cuda available: {torch.cuda.is_available()})")
 PY

@@ -17,6 +17,8 @@ def check_full_graphs(model, pool, batches, env, workdir, run_job, record, engin
             {"id": "g1", "prompt": needle, "max_tokens": 4, "extra_args": None}]},
     ]  # fmt: skip
     try:
+        # vLLM's defaults otherwise too: batch invariance could change the compilation mode.
+        env = {**env, "VLLM_BATCH_INVARIANT": "0"}
         result = run_job("full-graphs", engine_kwargs(model, pool, "FULL_AND_PIECEWISE"), jobs,
                          env, workdir)  # fmt: skip
     except Exception as exc:

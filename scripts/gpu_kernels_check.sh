@@ -8,6 +8,7 @@
 # Bounded to 8 minutes (the table of a run cut short is not printed: rerun with fewer --tokens).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
+PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+"$PYTHON" -c "import torch" 2>/dev/null || { echo "gpu_kernels_check: no torch in $PYTHON (set PYTHON=...)"; exit 2; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec timeout 480 "$PYTHON" scripts/gpu_kernels_check.py "$@"
