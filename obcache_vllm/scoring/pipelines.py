@@ -14,6 +14,7 @@ Glossary: W queries given, T resident entries, Hq/Hkv heads, D head dim, K kept 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -62,10 +63,17 @@ class Pipeline:
         """Scores [Hkv, T] from q [W, Hq, D] and k, v [T, Hkv, D] (fp32, fp64 for fp64 inputs)."""
         raise NotImplementedError
 
-    def select(self, scores: Tensor, keep: int, recent: int = 0, sinks: int = 0) -> Tensor:
-        """Sorted kept indices LongTensor [Hkv, K] (see ``select_keep``)."""
+    def select(
+        self, scores: Tensor, keep: int, recent: int = 0, sinks: int = 0,
+        reduce: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:  # fmt: skip
+        """Sorted kept indices LongTensor [Hkv, K] (see ``select_keep``).
+
+        ``reduce``: with ``per_head=False``, sums the layer ranking across the holders of the
+        other heads (see ``share_across_heads``); per-head selection never needs it.
+        """
         if not self.per_head:
-            scores = share_across_heads(scores)
+            scores = share_across_heads(scores, reduce)
         return select_keep(scores, keep=keep, recent=recent, sinks=sinks)
 
     def select_batch(self, scores: Tensor, keep: int, recent: int = 0, sinks: int = 0) -> Tensor:
@@ -229,7 +237,7 @@ class Streaming(Pipeline):
     def prefill_scores(self, scorer, q, k, v, geom, q_pos=None, k_pos=None) -> Tensor:
         return k.new_zeros((geom.num_kv_heads, k.shape[0]), dtype=compute_dtype(k, v))
 
-    def select(self, scores: Tensor, keep: int, recent: int = 0, sinks: int = 0) -> Tensor:
+    def select(self, scores, keep, recent=0, sinks=0, reduce=None) -> Tensor:
         recency = torch.arange(scores.shape[-1], device=scores.device)  # [T]  newer = higher
         return select_keep(recency.expand(scores.shape), keep=keep, recent=recent, sinks=sinks)
 

@@ -11,6 +11,8 @@ Every head keeps exactly K entries; heads may keep different ones. Ties go to th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -68,10 +70,17 @@ def _top_in_order(middle: Tensor, count: int) -> Tensor:
     return chosen.nonzero()[:, 1].view(num_heads, count)  # [Hkv, count]
 
 
-def share_across_heads(scores: Tensor) -> Tensor:
+def share_across_heads(
+    scores: Tensor, reduce: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
     """One ranking for the whole layer: the scores summed over KV heads, [Hkv, T] -> [Hkv, T].
 
     The OBCache objective is a sum of output errors over heads, so the layer-level score of an
     entry is the sum of its per-head scores; every head then keeps the same entries.
+    ``reduce`` sums the local [1, T] sum over the other holders of this layer's heads (tensor
+    parallelism: an all-reduce over the TP group), so every rank ranks by all the heads.
     """
-    return scores.sum(dim=0, keepdim=True).expand_as(scores)  # [Hkv, T]
+    summed = scores.sum(dim=0, keepdim=True)  # [1, T] over this rank's heads
+    if reduce is not None:
+        summed = reduce(summed)  # [1, T] over every rank's heads
+    return summed.expand_as(scores)  # [Hkv, T]

@@ -172,18 +172,22 @@ def evict_after_attention(
             for r in rows:
                 r.outcome.fail("compact" if writing else "score", exc, f"{layer} (batched)")
     for row in plan.rows:
-        if not row.active or row.grouped or row.state.disabled is not None:
+        if not row.active or row.grouped:
             continue
-        if row.outcome.failure is not None:
-            continue
-        try:
-            _row_after_attention(plan, row, layer, query, view, geom)
-        except Exception as exc:  # contained: see the module docstring
-            row.outcome.fail("compact" if row.outcome.writing else "score", exc, layer)
+        # Tensor parallelism, one ranking per layer: every rank enters this row's all-reduce
+        # once per layer, also when it gave the row up (see StepPlan.ranking_reduction).
+        reduction = plan.ranking_reduction(row)
+        if row.state.disabled is None and row.outcome.failure is None:
+            try:
+                _row_after_attention(plan, row, layer, query, view, geom, reduction)
+            except Exception as exc:  # contained: see the module docstring
+                row.outcome.fail("compact" if row.outcome.writing else "score", exc, layer)
+        if reduction is not None:
+            reduction.join(row.num_resident, query.device)
     plan.timings.append(time.perf_counter() - start)
 
 
-def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> None:
+def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, reduction) -> None:
     """Bookkeeping and, if ordered, compaction of one budgeted request in one layer.
 
     Only rows with work in this step get here (``row.active``, decided once per step by the
@@ -215,7 +219,9 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom) -> N
     if order is None:
         return
 
-    keep = pipeline.select(scores, keep=order.kept, recent=opts.recent, sinks=opts.sinks)
+    keep = pipeline.select(
+        scores, keep=order.kept, recent=opts.recent, sinks=opts.sinks, reduce=reduction
+    )
     if state.record is not None:
         state.record[layer] = keep.clone()
     index = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])  # [Hkv, K, D]

@@ -12,6 +12,10 @@ rather than silently compacting KV through a changed interface. Then, process-lo
   worker builds its runner by this module-global name).
 * ``AttentionBackendEnum.CPU_ATTN`` ->
   :class:`~obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUBackend`.
+* On CUDA instead (:func:`~obcache_vllm.vllm_ext.backends.flash_attn.install_cuda`, with its
+  own pinned seams): ``gpu_worker.Worker._make_model_runner`` builds
+  :class:`~obcache_vllm.vllm_ext.backends.flash_attn.OBCacheGPUModelRunner` on the V1 path,
+  and ``AttentionBackendEnum.FLASH_ATTN`` -> ``OBCacheFlashAttnBackend``.
 * ``InputProcessor.process_inputs``: kv_* options are validated in the front-end, before the
   request reaches the engine (``VLLMValidationError`` -> HTTP 400), including configurations
   that cannot evict (they refuse budgeted requests only).
@@ -343,10 +347,11 @@ def check_compatibility() -> None:
 
 def unsupported_reason(vllm_config) -> str | None:
     """Why budgeted requests cannot be served by this engine configuration, or None."""
-    from vllm.platforms import current_platform
+    from obcache_vllm.vllm_ext.backends import platform_unsupported_reason
 
-    if not current_platform.is_cpu():
-        return "KV eviction is implemented for vLLM's CPU backend only (so far)"
+    reason = platform_unsupported_reason(vllm_config)
+    if reason is not None:
+        return reason
     if vllm_config.speculative_config is not None:
         return "speculative decoding is not supported with kv_budget"
     if vllm_config.kv_transfer_config is not None:
@@ -483,18 +488,10 @@ def install() -> None:
     if API_SERVER_MODULE in sys.modules:
         install_api_server()
     from vllm.config.scheduler import SchedulerConfig
-    from vllm.platforms import current_platform
     from vllm.v1.engine.input_processor import InputProcessor
 
     patch_method(SchedulerConfig, "get_scheduler_cls", _wrap_get_scheduler_cls)
     patch_method(InputProcessor, "process_inputs", _wrap_process_inputs)
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-        from vllm.v1.worker import cpu_worker
+    from obcache_vllm.vllm_ext.backends import install_platform_backend
 
-        from obcache_vllm.vllm_ext.backends.cpu import OBCacheCPUModelRunner
-
-        cpu_worker.CPUModelRunner = OBCacheCPUModelRunner
-        register_backend(
-            AttentionBackendEnum.CPU_ATTN, "obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUBackend"
-        )
+    install_platform_backend()

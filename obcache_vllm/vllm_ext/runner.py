@@ -16,6 +16,12 @@ methods that the CPU and GPU runners share. Per step:
    ``sample_tokens`` attaches the :class:`EvictionReport` to the ``ModelRunnerOutput`` (an extra
    attribute survives the pickle to EngineCore). The report carries each budgeted row's
    cumulative state, so a lost report is made good by the next one.
+
+Tensor parallelism: every rank runs this on its own KV heads with the same plan (the scheduler
+output is broadcast); per-head selection keeps the same COUNT on every rank, so one block
+table stays valid. A layer ranking shared by the heads (``kv_per_head=false``) is summed over
+the TP group (``StepPlan.head_reduce``), and the ranks agree on every row's outcome before
+committing (:func:`~obcache_vllm.vllm_ext.step.agree_across_ranks`): only rank 0 reports.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from obcache_vllm.vllm_ext.step import (
     RowGroup,
     RowPlan,
     StepPlan,
+    agree_across_ranks,
 )
 
 logger = logging.getLogger(__name__)
@@ -66,6 +73,7 @@ class EvictingRunnerMixin:
         self._obcache_faults: dict[str, faults.Fault] = {}
         self.obcache_queries = DecodeQueryStore()
         self._obcache_untracked: list[str] = []
+        self._obcache_tp_handles = None  # see _obcache_tp
         faults.enabled()  # read the environment once, at start
         # Verification aid: kept indices per request and layer (OBCACHE_VLLM_RECORD_KEEP=1 only).
         self.obcache_records: OrderedDict[str, dict] | None = (
@@ -213,7 +221,9 @@ class EvictingRunnerMixin:
         # Orders for requests without a worker state (the worker never saw their options):
         # nothing is done for them; reported as faults so the scheduler stops ordering.
         self._obcache_untracked = sorted(set(orders) - {r.req_id for r in rows})
-        rows, groups = _group_decode_orders(rows)
+        head_reduce = self._obcache_tp()[0]
+        # A layer ranking summed over the TP group is reduced row by row: not batched.
+        rows, groups = _group_decode_orders(rows, batch_shared=head_reduce is None)
         decode_write = None
         if writes:  # (slots, positions, token index) as tensors on the model's device
             decode_write = tuple(
@@ -228,7 +238,25 @@ class EvictingRunnerMixin:
             decode_store=self.obcache_queries,
             decode_write=decode_write,
             groups=groups,
+            head_reduce=head_reduce,
         )
+
+    def _obcache_tp(self):
+        """(all-reduce of a device tensor, host process group) of the tensor-parallel group,
+        or (None, None) on a single rank. vLLM's TP group exists before the runner does."""
+        if self._obcache_tp_handles is None:
+            from vllm.distributed import (
+                get_tensor_model_parallel_world_size,
+                get_tp_group,
+                tensor_model_parallel_all_reduce,
+            )
+
+            if get_tensor_model_parallel_world_size() > 1:
+                handles = (tensor_model_parallel_all_reduce, get_tp_group().cpu_group)
+            else:
+                handles = (None, None)
+            self._obcache_tp_handles = handles
+        return self._obcache_tp_handles
 
     # -- 3. commit and report -------------------------------------------------------------
     def _obcache_commit(self) -> None:
@@ -237,6 +265,9 @@ class EvictingRunnerMixin:
         if plan is None or not (plan.rows or untracked):
             return
         num_layers = len(self.obcache_layer_index)
+        tp_group = self._obcache_tp()[1]
+        if tp_group is not None:  # every rank commits the same outcome (see agree_across_ranks)
+            agree_across_ranks(plan.rows, num_layers, tp_group)
         applied, failures, states = [], [], {}
         for req_id in untracked:
             failures.append(RowFailure(req_id, "schedule", "untracked"))
@@ -298,13 +329,19 @@ class EvictingRunnerMixin:
         return output
 
 
-def _group_decode_orders(rows: list[RowPlan]) -> tuple[tuple[RowPlan, ...], tuple[RowGroup, ...]]:
+def _group_decode_orders(
+    rows: list[RowPlan], batch_shared: bool = True
+) -> tuple[tuple[RowPlan, ...], tuple[RowGroup, ...]]:
     """Group the decode-time orders that can be batched (see ``core._group_after_attention``):
     same scoring options, resident count, query count, kept count and block shift; no
-    injected fault. Rows of a group of two or more are marked ``grouped``."""
+    injected fault; one ranking per layer only if ``batch_shared`` (not under tensor
+    parallelism, where each row's ranking is all-reduced on its own). Rows of a group of two or
+    more are marked ``grouped``."""
     buckets: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
         if r.prefill or r.order is None or r.fault is not None or r.outcome.failure:
+            continue
+        if not batch_shared and not r.state.options.per_head:
             continue
         o, state = r.state.options, r.state
         queries = 1 if r.decode_position is None else r.decode_position + 1

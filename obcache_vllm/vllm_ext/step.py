@@ -10,6 +10,7 @@ Glossary: ``W`` window queries, ``N`` resident tokens, ``Hq``/``Hkv`` heads, ``D
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -236,7 +237,80 @@ class StepPlan:
     decode_store: DecodeQueryStore | None = None
     decode_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     groups: tuple[RowGroup, ...] = ()
+    # Tensor parallelism (> 1 rank): sums a [1, N] layer ranking over the TP group, for rows
+    # with one ranking per layer (kv_per_head=false). None on a single rank.
+    head_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Set by an adapter that shifts the persistent read buffers in place (FlashAttention), so
+    # a second metadata build of the same step does not shift them twice.
+    reads_shifted: bool = False
 
     @property
     def shifts_reads(self) -> bool:
         return any(self.dead)
+
+    def ranking_reduction(self, row: RowPlan) -> RankingReduction | None:
+        """The cross-rank reduction ``row`` must join in each layer, or None.
+
+        Decided from what every rank holds identically (the order, the options), never from
+        a rank-local fault, so all ranks enter the same collectives in the same order.
+        """
+        pipeline = row.state.pipeline
+        if self.head_reduce is None or row.order is None:
+            return None
+        if pipeline.per_head or not pipeline.scored:
+            return None
+        return RankingReduction(self.head_reduce)
+
+
+class RankingReduction:
+    """One (row, layer)'s all-reduce of the layer ranking: entered exactly once per rank.
+
+    ``pipeline.select(..., reduce=reduction)`` enters it with this rank's summed scores; a rank
+    that gave the row up in this layer (a contained fault) enters it with zeros through
+    :meth:`join`, so the other ranks are not left waiting in the collective.
+    """
+
+    def __init__(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.all_reduce = all_reduce
+        self.entered = False
+
+    def __call__(self, summed: torch.Tensor) -> torch.Tensor:
+        """[1, N] scores summed over this rank's heads -> summed over every rank's."""
+        self.entered = True
+        return self.all_reduce(summed)
+
+    def join(self, num_resident: int, device: torch.device) -> None:
+        """Enter the collective with zeros unless this rank already did."""
+        if not self.entered:
+            self(torch.zeros((1, num_resident), dtype=torch.float32, device=device))
+
+
+def agree_across_ranks(rows: tuple[RowPlan, ...], num_layers: int, group) -> None:
+    """Make every tensor-parallel rank's row outcomes identical (one host all-reduce).
+
+    Each rank compacts only its own KV heads, and only rank 0's report reaches the scheduler:
+    without agreement a fault on another rank would let the scheduler free blocks that rank
+    never compacted. Agreed per row: failed anywhere -> failed everywhere (reason
+    ``tp_peer`` where the fault was not local); the fewest layers compacted on any rank, and a
+    row some rank wrote more of than another is torn everywhere. ``group``: a
+    ``torch.distributed`` process group on host tensors (vLLM's ``get_tp_group().cpu_group``).
+    """
+    if not rows:
+        return
+    local = [
+        (int(r.outcome.failure is not None), num_layers - r.outcome.compacted_layers,
+         r.outcome.compacted_layers)
+        for r in rows
+    ]  # fmt: skip
+    agreed = torch.tensor(local, dtype=torch.int64)  # [rows, 3] failed, L - compacted, compacted
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
+    for row, (failed, deficit, most) in zip(rows, agreed.tolist(), strict=True):
+        least = num_layers - deficit
+        outcome = row.outcome
+        if least != most:  # some rank wrote layers another did not: torn on every rank
+            outcome.compacted_layers = min(max(least, 1), num_layers - 1)
+        else:
+            outcome.compacted_layers = least
+        if (failed or least != most) and outcome.failure is None:
+            stage = "compact" if most else "score"
+            outcome.failure = (stage, "tp_peer", "failed on another tensor-parallel rank")
