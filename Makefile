@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-engine test-server lint clean-model
+.PHONY: setup serve test test-unit test-engine test-server lint clean-model bench bench-full
 
 setup:
 	@bash scripts/setup.sh
@@ -32,19 +32,22 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-## Short benchmarks: stock vLLM vs obcache-vllm, ratios printed (not yet timed as a whole)
+## Short benchmarks: stock vLLM vs obcache-vllm in the same run, ratios printed (see README)
 bench: setup
 	PYTHONPATH=. $(PY) benchmarks/bench_prefill.py --lengths 1024 --repeats 1
 	PYTHONPATH=. $(PY) benchmarks/bench_decode.py --generate 192 --budget 96
-	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --requests 4 --prompt-tokens 768 \
-		--max-tokens 16 --pool-blocks 64 --budgets 0.25 --interval 1 --out results/bench-quick
+	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --quick --out results/bench-quick
+	PYTHONPATH=. $(PY) benchmarks/bench_long_prefill.py --tokens 2000 --repeats 1
 
-## The measurements quoted in the README (roughly an hour on this 2-core machine)
+## The measurements quoted in README "Evidence: performance" (about 2 h on one core)
 bench-full: setup
 	PYTHONPATH=. $(PY) benchmarks/bench_prefill.py --lengths 2048 4096 --repeats 2
 	PYTHONPATH=. $(PY) benchmarks/bench_decode.py
-	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --requests 6 --prompt-tokens 1024 \
-		--max-tokens 64 --pool-blocks 100 --interval 2 --out results/bench
+	PYTHONPATH=. $(PY) benchmarks/bench_long_prefill.py
+	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --workloads decode-bound prefill-bound \
+		long-4k-b1 long-4k-b8 long-7k-b1 long-7k-b8 --out results/bench
+	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --workloads equal-32 equal-64 --repeats 3 \
+		--out results/bench-equal
 
 ## Rebuild the cached model from the packaged GGUF
 clean-model: setup
