@@ -99,6 +99,8 @@ def _compare(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.from_reports:
         summaries = compare.load_summaries(args.out, arms)
+        for key, summary in zip(arms, summaries, strict=True):  # the tables, as of this code
+            (args.out / f"{key}.md").write_text(report.markdown(summary))
     else:
         scenario = load_scenario(args.scenario, args.overrides)
         summaries = []

@@ -22,12 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput, StreamedResponseHandler
 
 from loadtest.scenario import RequestPlan
 
 # Outcome categories, in report order.
 CATEGORIES = ("2xx", "4xx", "5xx", "disconnected", "cancelled", "error")
+
+
+def _request_func_output() -> Any:
+    """A fresh ``vllm.benchmarks.lib.endpoint_request_func.RequestFuncOutput`` (imported on first
+    use: importing vLLM takes seconds, and the planning and checking code does not need it)."""
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
+
+    return RequestFuncOutput()
 
 
 @dataclass
@@ -43,7 +50,7 @@ class Outcome:
     plan: RequestPlan
     category: str = "error"
     status: int | None = None
-    out: RequestFuncOutput = field(default_factory=RequestFuncOutput)
+    out: Any = field(default_factory=_request_func_output)  # vLLM's RequestFuncOutput
     usage: dict[str, Any] | None = None
     chunks: int = 0  # SSE messages with choices
     error: str = ""
@@ -118,6 +125,8 @@ async def send(
 
 
 async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, st: float) -> None:
+    from vllm.benchmarks.lib.endpoint_request_func import StreamedResponseHandler
+
     out, plan = outcome.out, outcome.plan
     handler = StreamedResponseHandler()
     recent = st

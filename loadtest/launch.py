@@ -23,13 +23,15 @@ class LaunchError(RuntimeError):
     """The server exited or did not become healthy in time (the message ends with its log)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """GET ``url``/health answers 200."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
             return resp.status == 200
@@ -45,7 +47,7 @@ def launched(
     start_timeout_s: float = 600,
 ) -> Iterator[str]:
     """Yield the base URL of a healthy ``obcache-vllm serve --port P ARGS`` (``env`` over ours)."""
-    port = _free_port()
+    port = free_port()
     script = Path(sys.executable).parent / "obcache-vllm"
     cmd = [str(script), "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     full_env = {**os.environ, **env}
@@ -57,7 +59,7 @@ def launched(
         )
         try:
             started = time.monotonic()
-            while not _healthy(url):
+            while not healthy(url):
                 if proc.poll() is not None:
                     raise LaunchError(f"server exited ({proc.returncode}): {_tail(log_path)}")
                 if time.monotonic() - started > start_timeout_s:

@@ -185,7 +185,7 @@ def markdown(s: dict[str, Any]) -> str:
     for key in ("completed", "request_throughput", "request_goodput", "output_throughput",
                 "total_token_throughput"):
         lines.append(f"| {key} | {_fmt(m.get(key), 3)} |")
-    pct = [f"p{_pword(p)}" for p in sc["percentiles"]]
+    pct = [f"p{_pword(p)}" for p in sc["percentiles"] if p != 50]  # p50 is the median
     lines += ["", "| latency ms | mean | median | " + " | ".join(pct) + " |",
               "|---|" + "---:|" * (2 + len(pct))]
     for name in LATENCIES:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest.launch import free_port, healthy  # noqa: F401 (free_port: used by tests)
 from obcache_vllm.plugin import TRACE_ENV
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -115,20 +115,6 @@ class Metrics:
 
     def names(self) -> set[str]:
         return {n for n, _ in self.samples}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 @contextmanager
