@@ -70,13 +70,19 @@ def launched(
                   f"(log {log_path})", file=sys.stderr)
             yield url
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """Stop a server started with ``start_new_session=True``: SIGINT to its process group (vLLM
+    shuts its engine processes down), SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _tail(path: Path, chars: int = 3000) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.launch import free_port, healthy  # noqa: F401 (free_port: used by tests)
+from loadtest.launch import free_port, healthy, stop
 from obcache_vllm.plugin import TRACE_ENV
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -158,10 +157,4 @@ def running_server(
             print(f"server {cmd} up in {time.monotonic() - started:.0f} s", file=sys.stderr)
             yield server
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop(proc)
