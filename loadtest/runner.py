@@ -104,8 +104,8 @@ class _Progress:
 
     def done(self, outcome: Outcome) -> None:
         self.counts[outcome.category] += 1
-        self.bar.update(1)
         self.bar.set_postfix({k: v for k, v in self.counts.items() if v}, refresh=False)
+        self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
