@@ -44,6 +44,15 @@ def test_shipped_scenarios_validate_and_plan(path: Path) -> None:
     assert {p.kind for p in plans} <= {k.name for k in scenario.kinds}
     for p in plans:  # vLLM answers 400 for n > 1 with greedy sampling
         assert p.n == 1 or p.body["temperature"] > 0 or p.expect_status != 200
+    args = scenario.server.args
+    if "--num-gpu-blocks-override" in args:
+        blocks = int(args[args.index("--num-gpu-blocks-override") + 1])
+        max_len = int(args[args.index("--max-model-len") + 1])
+        # vLLM refuses to start unless the pool holds one max-model-len request (measured: 64
+        # blocks of 32 allow at most 2016), and every planned request must fit the context.
+        assert (blocks - 1) * 32 >= max_len
+        longest = max(p.target_prompt_tokens + p.max_tokens for p in plans)
+        assert longest + 64 <= max_len, (longest, max_len)  # 64: instruction + rounding
 
 
 def test_plan_is_deterministic_and_follows_the_mix() -> None:
