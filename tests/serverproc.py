@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest.launch import free_port, healthy, stop
 from obcache_vllm.plugin import TRACE_ENV
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -117,20 +116,6 @@ class Metrics:
         return {n for n, _ in self.samples}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 @contextmanager
 def running_server(
     workdir: Path,
@@ -174,10 +159,4 @@ def running_server(
             print(f"server {cmd} up in {time.monotonic() - started:.0f} s", file=sys.stderr)
             yield server
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop(proc)

@@ -1,0 +1,121 @@
+"""Command line of the load tool (``python -m loadtest``).
+
+    run SCENARIO [--url URL | --launch [--stock]] [--out DIR] [--set KEY=VALUE ...]
+        One run; writes DIR/report.{json,md,png}; exit status 1 when a check failed.
+    compare SCENARIO --out DIR [--arms stock,nobudget,mix] [--set ...] [--from-reports]
+        One fresh server per arm, then DIR/compare.{json,md,png} (ratios) and one report per arm.
+
+Only loopback targets unless ``--allow-remote``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from loadtest import compare, report, runner
+from loadtest.scenario import load_scenario, make_plan
+
+
+def is_loopback(url: str) -> bool:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("scenario", type=Path, help="scenario YAML (loadtest/scenarios/*.yaml)")
+    common.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a scenario field, e.g. requests=24")
+    common.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    run_p = sub.add_parser("run", parents=[common], help="one run against one server")
+    run_p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    run_p.add_argument("--launch", action="store_true",
+                       help="start `obcache-vllm serve` with the scenario's server args")
+    run_p.add_argument("--stock", action="store_true",
+                       help="with --launch: VLLM_PLUGINS= (stock vLLM) and no kv_* fields")
+    run_p.add_argument("--out", type=Path, default=None,
+                       help="report folder (default results/loadtest/<scenario>-<time>)")
+    run_p.add_argument("--label", default="", help="title of the report")
+    run_p.add_argument("--allow-remote", action="store_true",
+                       help="allow a non-loopback URL (only for your own servers)")
+
+    cmp_p = sub.add_parser("compare", parents=[common], help="stock vs no budget vs mix")
+    cmp_p.add_argument("--out", type=Path, required=True, help="report folder")
+    cmp_p.add_argument("--arms", default="stock,nobudget,mix",
+                       help=f"comma-separated, from {','.join(compare.ARMS)}")
+    cmp_p.add_argument("--from-reports", action="store_true",
+                       help="rebuild compare.* from the arm reports already in --out")
+    return ap
+
+
+def _run(args: argparse.Namespace) -> int:
+    scenario = load_scenario(args.scenario, args.overrides)
+    if args.stock:
+        scenario = scenario.without_budgets()
+    out = args.out or Path("results/loadtest") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    plans = make_plan(scenario)
+    if args.launch:
+        from loadtest.launch import launched
+
+        env = {**scenario.server.env, **({"VLLM_PLUGINS": ""} if args.stock else {})}
+        with launched(scenario.server.args, env, out / "server.log") as url:
+            result = asyncio.run(runner.run(scenario, plans, url, args.label,
+                                            not args.no_progress))
+    else:
+        if not is_loopback(args.url) and not args.allow_remote:
+            print(f"refusing non-loopback target {args.url} (use --allow-remote for your own "
+                  "servers)", file=sys.stderr)
+            return 2
+        result = asyncio.run(runner.run(scenario, plans, args.url, args.label,
+                                        not args.no_progress))
+    summary = report.summarize(result)
+    paths = report.write(summary, out)
+    print(report.markdown(summary))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if summary["passed"] else 1
+
+
+def _compare(args: argparse.Namespace) -> int:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in compare.ARMS]
+    if unknown:
+        print(f"unknown arm {unknown[0]!r}; known: {', '.join(compare.ARMS)}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.from_reports:
+        summaries = compare.load_summaries(args.out, arms)
+        for key, summary in zip(arms, summaries, strict=True):  # the tables, as of this code
+            (args.out / f"{key}.md").write_text(report.markdown(summary))
+    else:
+        scenario = load_scenario(args.scenario, args.overrides)
+        summaries = []
+        for key in arms:
+            summaries.append(compare.run_arm(scenario, compare.ARMS[key], args.out,
+                                             not args.no_progress))
+    paths = compare.write(summaries, args.out)
+    print(compare.markdown(compare.comparison(summaries)))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if all(s["passed"] for s in summaries) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args) if args.command == "run" else _compare(args)
+    except KeyboardInterrupt:
+        return 130
