@@ -25,8 +25,8 @@ def _run(engine, prompts, kv, grouped: bool, monkeypatch):
     groups_seen = []
     original = runner_mod._group_decode_orders
 
-    def spy(rows):
-        rows, groups = original(rows) if grouped else (tuple(rows), ())
+    def spy(rows, **kwargs):
+        rows, groups = original(rows, **kwargs) if grouped else (tuple(rows), ())
         groups_seen.extend(len(g.rows) for g in groups)
         return rows, groups
 
