@@ -144,7 +144,9 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, st: f
             event = json.loads(data)
             if "error" in event:  # vLLM reports a failure inside the stream this way
                 err = event["error"]
-                outcome.category = _category(int(err.get("code") or 500))
+                # the request's effective status: the stream had already answered 200
+                outcome.status = int(err.get("code") or 500)
+                outcome.category = _category(outcome.status)
                 outcome.error = str(err.get("message", err))[:500]
                 return
             if choices := event.get("choices"):

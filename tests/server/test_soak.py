@@ -47,7 +47,9 @@ def test_short_soak_passes_every_end_of_run_check(model_path: Path, tmp_path: Pa
     assert report["stopped_by"] == "count" and report["sent"] == 24
     reqs = report["requests"]
     counts = report["counts"]
-    assert counts["disconnected"] > 0 and counts["4xx"] > 0 and counts["5xx"] == 0
+    assert counts["disconnected"] > 0 and counts["4xx"] > 0
+    # The only 5xx: injected torn caches (expected; each a 500 for that request alone).
+    assert all(r["kind"] == "fault_torn_cache" for r in reqs if r["category"] == "5xx")
     assert any(r["n"] > 1 and r["category"] == "2xx" for r in reqs)
     assert report["server"]["preemptions"] > 0
     budgeted_kinds = {name for name, k in report["kinds"].items()

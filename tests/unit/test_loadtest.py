@@ -248,3 +248,17 @@ def test_planning_and_checks_do_not_import_vllm() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_a_5xx_expected_by_its_kind_is_not_an_unexpected_one() -> None:
+    """An injected fault's kind expects 500: it passes both checks; a 500 elsewhere does not."""
+    import dataclasses
+
+    p = _plans(["b", "none"])
+    faulty = dataclasses.replace(p[0], expect_status=500)
+    before = _snap(evicted=0, freed=0, finished=0, prompt=0, gen=0)
+    checks = _by_name(_result([_outcome(faulty, category="5xx"), _outcome(p[1])], before, before))
+    assert checks["no_5xx"].ok and checks["expected_status"].ok
+    assert "1 from injected faults" in checks["no_5xx"].detail
+    other = _by_name(_result([_outcome(p[0], category="5xx"), _outcome(p[1])], before, before))
+    assert other["no_5xx"].ok is False
