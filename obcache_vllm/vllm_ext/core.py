@@ -244,9 +244,10 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
 
 
 def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
-    """Decode evictions of several requests with the same shapes, batched (one op each).
+    """Decode scoring and evictions of several requests with the same shapes, batched.
 
-    The runner groups decode-time orders with the same options, resident count ``N``, query
+    The runner groups decode-time orders (or, without an order, stored decode queries to fold
+    into the running scores) with the same options, resident count ``N``, query
     count ``W`` and kept count ``K`` (:class:`~obcache_vllm.vllm_ext.step.RowGroup`). Their K/V
     are gathered in one op, scored as ONE request whose heads are the requests' heads side by
     side (scores are per KV head, a query head only meets its own KV head, so stacking
@@ -257,7 +258,7 @@ def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
     """
     first = rows[0]
     state, opts, pipeline = first.state, first.state.options, first.state.pipeline
-    num_rows, n, w, kept = len(rows), first.num_resident, group.num_queries, first.order.kept
+    num_rows, n, w = len(rows), first.num_resident, group.num_queries
     index = torch.tensor([r.row for r in rows], device=plan.read_block_table.device)
     blocks = plan.read_block_table.index_select(0, index)  # [R, M]
     keys, values = view.gather(blocks, n)  # [R, Hkv, N, D]
@@ -289,7 +290,10 @@ def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
         scores = torch.stack(scores)  # [R, Hkv, N]
     else:
         scores = keys.new_zeros((num_rows, hkv, n))
-    keep = pipeline.select_batch(scores, keep=kept, recent=opts.recent, sinks=opts.sinks)
+    if first.order is None:  # only folding stored decode queries into the running scores
+        return
+    keep = pipeline.select_batch(scores, keep=first.order.kept, recent=opts.recent,
+                                 sinks=opts.sinks)  # fmt: skip
     index_kd = keep.unsqueeze(-1).expand(-1, -1, -1, d)  # [R, Hkv, K, D]
     kept_k = torch.gather(keys, 2, index_kd)  # gathered before anything is written
     kept_v = torch.gather(values, 2, index_kd)

@@ -332,22 +332,25 @@ class EvictingRunnerMixin:
 def _group_decode_orders(
     rows: list[RowPlan], batch_shared: bool = True
 ) -> tuple[tuple[RowPlan, ...], tuple[RowGroup, ...]]:
-    """Group the decode-time orders that can be batched (see ``core._group_after_attention``):
-    same scoring options, resident count, query count, kept count and block shift; no
-    injected fault; one ranking per layer only if ``batch_shared`` (not under tensor
-    parallelism, where each row's ranking is all-reduced on its own). Rows of a group of two or
-    more are marked ``grouped``."""
+    """Group the decode rows that can be batched (see ``core._group_after_attention``): orders,
+    or stored decode queries to fold into the running scores (no order), with the same scoring
+    options, resident count, query count, kept count and block shift; no injected fault; one
+    ranking per layer only if ``batch_shared`` (not under tensor parallelism, where each row's
+    ranking is all-reduced on its own). Rows of a group of two or more are marked ``grouped``."""
     buckets: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
-        if r.prefill or r.order is None or r.fault is not None or r.outcome.failure:
+        if r.prefill or r.fault is not None or r.outcome.failure:
+            continue
+        if r.order is None and not r.score_decode:
             continue
         if not batch_shared and not r.state.options.per_head:
             continue
         o, state = r.state.options, r.state
         queries = 1 if r.decode_position is None else r.decode_position + 1
+        kept, shift = (None, 0) if r.order is None else (
+            r.order.kept, r.order.dead_after - r.order.dead_before)  # fmt: skip
         key = (o.scorer, o.pipeline, o.window, o.per_head, o.recent, o.sinks, o.decode,
-               state.decode_mode, r.num_resident, queries, r.order.kept,
-               r.order.dead_after - r.order.dead_before)  # fmt: skip
+               state.decode_mode, r.num_resident, queries, kept, shift)  # fmt: skip
         buckets.setdefault(key, []).append(i)
     groups = []
     rows = list(rows)

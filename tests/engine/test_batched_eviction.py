@@ -19,7 +19,7 @@ def _prompts(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer(haystack(12, seed=50 + i)).input_ids[:200] for i in range(count)]
 
 
-def _run(engine, prompts, kv, grouped: bool, monkeypatch):
+def _run(engine, prompts, kv, grouped: bool, monkeypatch, max_tokens=90):
     from vllm import SamplingParams
 
     groups_seen = []
@@ -31,7 +31,7 @@ def _run(engine, prompts, kv, grouped: bool, monkeypatch):
         return rows, groups
 
     monkeypatch.setattr(runner_mod, "_group_decode_orders", spy)
-    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, extra_args=kv)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=kv)
     outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)  # fmt: skip
     monkeypatch.undo()
@@ -39,23 +39,29 @@ def _run(engine, prompts, kv, grouped: bool, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "kv",
+    ("kv", "budget", "max_tokens"),
     [
         pytest.param({"kv_pipeline": "tova", "kv_scorer": "obcache_key", "kv_per_head": False},
-                     id="tova-last-query-shared"),
-        pytest.param({"kv_pipeline": "h2o", "kv_scorer": "obcache_value"}, id="h2o-summed"),
-        pytest.param({"kv_pipeline": "streaming"}, id="streaming"),
+                     64, 90, id="tova-last-query-shared"),
+        pytest.param({"kv_pipeline": "h2o", "kv_scorer": "obcache_value"}, 64, 90,
+                     id="h2o-summed"),
+        pytest.param({"kv_pipeline": "streaming"}, 64, 90, id="streaming"),
+        # 64 stored decode queries are folded in (no order) before the first order at 332.
+        pytest.param({"kv_pipeline": "h2o", "kv_scorer": "attn"}, 300, 150,
+                     id="h2o-full-query-buffer-then-order"),
     ],
 )  # fmt: skip
-def test_batched_decode_evictions_equal_one_by_one(engine, tokenizer, monkeypatch, kv):
+def test_batched_decode_evictions_equal_one_by_one(
+    engine, tokenizer, monkeypatch, kv, budget, max_tokens
+):
     prompts = _prompts(tokenizer, 6)
-    kv = {"kv_budget": 64, "kv_decode": True, **kv}
+    kv = {"kv_budget": budget, "kv_decode": True, **kv}
     totals = engine.scheduler.obcache_totals
     before = totals.evictions
-    alone, none_grouped = _run(engine, prompts, kv, False, monkeypatch)
+    alone, none_grouped = _run(engine, prompts, kv, False, monkeypatch, max_tokens)
     alone_evictions = totals.evictions - before
-    together, grouped = _run(engine, prompts, kv, True, monkeypatch)
+    together, grouped = _run(engine, prompts, kv, True, monkeypatch, max_tokens)
     assert not none_grouped and grouped and max(grouped) >= 2  # (chunked prefill staggers them)
     assert together == alone
-    assert totals.evictions - before == 2 * alone_evictions
+    assert alone_evictions > 0 and totals.evictions - before == 2 * alone_evictions
     assert engine.free_blocks() == POOL_BLOCKS - 1
