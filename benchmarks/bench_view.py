@@ -41,7 +41,8 @@ def main() -> None:
     layout = PagedLayout(BS, D, k_off, BS * D + torch.arange(BS * D))  # the vec layout
     geom = HeadGeometry(HQ, HKV, D, D**-0.5)
     scorer, pipeline = make_scorer("obcache_key"), make_pipeline("tova", per_head=False)
-    print("| tokens | gather (ours) us | index_select slab us | score us | select us | scatter us |")
+    print("| tokens | gather (ours) us | index_select slab us | score us | select us "
+          "| scatter us |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in args.tokens:
         nb = -(-n // BS)
