@@ -237,7 +237,7 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
     row.outcome.writing = False
     row.outcome.compacted_layers += 1
     running = state.running.get(layer)
-    if running is not None:
+    if running is not None and running.length:  # empty: a window pipeline before prompt end
         running.gather(keep)
     if row.logical_len >= opts.compress_point(row.prompt_len):
         state.queries.pop(layer, None)  # kv_prefill_evict keeps them for the next chunk's order
