@@ -66,3 +66,27 @@ def test_admitted_by_its_bounded_peak_when_the_whole_prompt_would_not_fit(driver
     driver.run()
     assert set(driver.outputs) >= {bounded, whole, driver.internal["hog"]}
     assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        pytest.param({"kv_prefill_evict": True, "kv_pipeline": "snapkv", "kv_window": 8},
+                     id="prefill-evict"),
+        pytest.param({"kv_compress_at": 600, "kv_pipeline": "tova"}, id="compress-at"),
+    ],
+)  # fmt: skip
+def test_mid_prompt_evictions_then_decode_eviction(driver, long_prompt, kv):
+    """A window pipeline evicts before the prompt's end (no running scores yet), then keeps
+    evicting while it generates (the fuzzer's 'cannot keep 24 of 0 resident entries')."""
+    engine, budget = driver.engine, 96
+    faults_before = sum(engine.scheduler.obcache_totals.failures.values())
+    rid = driver.add("mid", long_prompt[:900], 80, ignore_eos=True, kv_budget=budget,
+                     kv_decode=True, **kv)  # fmt: skip
+    out = driver.run()
+    assert len(out[rid]) == 80
+    record = engine.scheduler.obcache_finished[-1]
+    assert record.req_id == rid and record.evictions >= 3
+    assert budget <= record.resident_tokens < budget + BS + 1
+    assert sum(engine.scheduler.obcache_totals.failures.values()) == faults_before  # none
+    assert engine.free_blocks() == POOL_BLOCKS - 1
