@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 
 from obcache_vllm.scoring.attention import (
-    CHUNK_ELEMENTS,
     Resident,
     WindowAttention,
     attend,
     check_shapes,
+    chunk_budget,
     compute_dtype,
     queries_per_chunk,
     resolve_positions,
@@ -49,7 +49,7 @@ class Scorer:
     needs_attention: ClassVar[bool] = True
     # Whether from_attention reads the logits Z (else softmax may overwrite them in place).
     needs_logits: ClassVar[bool] = False
-    chunk_elements: int = CHUNK_ELEMENTS
+    chunk_elements: int | None = None  # None: chunk_budget's default for the tensors' device
 
     def __call__(
         self,
@@ -67,7 +67,7 @@ class Scorer:
             return k.new_zeros((geom.num_kv_heads, num_t), dtype=dtype)
         q_pos, k_pos = resolve_positions(num_w, num_t, q_pos, k_pos, k.device)
         res = Resident.from_kv(k, v, k_pos, dtype)
-        step = queries_per_chunk(geom, num_t, self.chunk_elements)
+        step = queries_per_chunk(geom, num_t, chunk_budget(k.device, self.chunk_elements))
         total = None
         for start in range(0, num_w, step):
             att = attend(
