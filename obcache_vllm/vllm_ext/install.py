@@ -92,6 +92,29 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("self", "scheduler_output", "intermediate_tensors"),
     ),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
+    # Seeded sampling under chunked prefill with CPU generators (seeded.py): vLLM rewinds the
+    # generator of a discarded row with Philox-only set_offset(get_offset() - 4) in
+    # _bookkeeping_sync (vllm-project/vllm#10097: "relies on cuda-specific torch-internal impl
+    # details"); a CPU (mt19937) generator raises "CPU Generator does not use offset" and the
+    # engine dies. We snapshot/restore those generators around _sample and hide them from the
+    # rewind. Same bug elsewhere: RBLN-SW/vllm-rbln#1025, qualcomm/vllm-qaic#92.
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._sample",
+        ("self", "logits", "spec_decode_metadata"),
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._bookkeeping_sync",
+        (
+            "self",
+            "scheduler_output",
+            "sampler_output",
+            "logits",
+            "hidden_states",
+            "num_scheduled_tokens",
+        ),
+    ),
     (
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner._build_attention_metadata",
@@ -249,6 +272,13 @@ ATTRIBUTES: tuple[tuple[str, str], ...] = (
 # Instance state we read or write, as (module, class, attribute names): dataclass fields, or
 # attributes assigned in ``__init__`` (checked in its source).
 STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # seeded.py: the rows whose sampled token is dropped, and their per-request generators.
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        ("input_batch", "discard_request_mask"),
+    ),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch", ("generators", "num_reqs")),
     (
         "vllm.v1.core.sched.output",
         "SchedulerOutput",

@@ -31,6 +31,7 @@ from obcache_vllm.planning import (
     EvictionReport,
 )
 from obcache_vllm.vllm_ext.backend import set_step_plan
+from obcache_vllm.vllm_ext.seeded import SeededCpuSamplingMixin
 from obcache_vllm.vllm_ext.step import RequestKvState, RowPlan, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class EvictionDesyncError(RuntimeError):
     """The scheduler's order does not match the worker's view of the request."""
 
 
-class OBCacheCPUModelRunner(CPUModelRunner):
+class OBCacheCPUModelRunner(SeededCpuSamplingMixin, CPUModelRunner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.obcache_states: dict[str, RequestKvState] = {}
