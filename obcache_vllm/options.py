@@ -220,6 +220,12 @@ def parse_kv_options(
         compress_at=compress_at,
         per_head=_bool_field(raw, "kv_per_head", True),
     )
+    if max_model_len is not None and opts.window > max_model_len:
+        raise KvOptionsError(
+            "kv_window",
+            f"{opts.window} exceeds the model context length {max_model_len}",
+            opts.window,
+        )
     if opts.sinks + opts.recent >= opts.budget:
         raise KvOptionsError(
             "kv_budget",

@@ -53,9 +53,7 @@ class SeededCpuSamplingMixin:
 
     def _sample(self, logits, spec_decode_metadata):
         """vLLM's ``_sample``, leaving the CPU generators of discarded rows as they were."""
-        saved = [
-            (gen, gen.get_state()) for gen in _cpu_generators_of_discarded_rows(self).values()
-        ]
+        saved = [(gen, gen.get_state()) for gen in _cpu_generators_of_discarded_rows(self).values()]
         try:
             return super()._sample(logits, spec_decode_metadata)
         finally:

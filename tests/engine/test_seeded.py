@@ -116,9 +116,7 @@ def test_discarded_prefill_steps_leave_the_generator_untouched(driver, prompts):
 
     engine = driver.engine
     seed, prompt = 11, prompts[3]
-    params = SamplingParams(
-        temperature=TEMPERATURE, seed=seed, max_tokens=4, ignore_eos=True
-    )
+    params = SamplingParams(temperature=TEMPERATURE, seed=seed, max_tokens=4, ignore_eos=True)
     rid = engine.llm.llm_engine.add_request(
         "seeded-steps", {"prompt_token_ids": prompt, "cache_salt": "seeded-steps"}, params
     )
