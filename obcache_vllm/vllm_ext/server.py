@@ -85,9 +85,9 @@ def requested_kv_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping
     return fields
 
 
-def prevalidate(merged: Mapping[str, Any]) -> None:
-    """Every check that does not need the prompt; raises :class:`options.KvOptionsError`."""
-    for key, value in merged.items():
+def check_scalars(fields: Mapping[str, Any]) -> None:
+    """Each value a JSON scalar within int64 and finite; raises :class:`options.KvOptionsError`."""
+    for key, value in fields.items():
         if value is not None and not isinstance(value, (str, int, float, bool)):
             kind = type(value).__name__
             raise options.KvOptionsError(key, f"must be a scalar, got {kind}", value)
@@ -95,6 +95,11 @@ def prevalidate(merged: Mapping[str, Any]) -> None:
             raise options.KvOptionsError(key, "out of range", value)
         if isinstance(value, float) and not math.isfinite(value):
             raise options.KvOptionsError(key, "must be finite", value)
+
+
+def prevalidate(merged: Mapping[str, Any]) -> None:
+    """Every check that does not need the prompt; raises :class:`options.KvOptionsError`."""
+    check_scalars(merged)
     # A fraction is checked against the longest prompt here; per prompt in the input processor.
     options.parse_kv_options(merged, num_prompt_tokens=1 << 30)
 
@@ -105,7 +110,7 @@ def _reject(exc: options.KvOptionsError):
     from obcache_vllm.vllm_ext.stats import count_rejection
 
     count_rejection(exc.field)
-    return VLLMValidationError(str(exc), parameter=exc.field, value=exc.value)
+    return VLLMValidationError(str(exc), parameter=exc.field, value=exc.shown_value)
 
 
 def check_rendered_prompt(serving, inputs, extra_args: Mapping[str, Any]) -> None:
@@ -146,13 +151,16 @@ def _wrap_log_inputs(original):
 def _wrap_to_sampling_params(original):
     @functools.wraps(original)
     def to_sampling_params(self, *args, **kwargs):
-        params = original(self, *args, **kwargs)
         requested = requested_kv_fields(self.vllm_xargs, self.model_extra)
         merged = config.merge_request(server_defaults(), requested)
         try:
+            # Before vLLM's own checks: its range check of extra_args would reject an int
+            # beyond 64 bits in vllm_xargs as "extra_args", without naming the kv_* field.
+            check_scalars(requested_kv_fields(self.vllm_xargs, None))
             prevalidate(merged)
         except options.KvOptionsError as exc:
             raise _reject(exc) from exc
+        params = original(self, *args, **kwargs)
         extra = {k: v for k, v in (params.extra_args or {}).items() if not is_kv_option(k)}
         extra.update(merged)
         params.extra_args = extra or None

@@ -163,4 +163,4 @@ def validate_request(vllm_config, engine_request) -> None:
         from obcache_vllm.vllm_ext.stats import count_rejection
 
         count_rejection(exc.field)
-        raise VLLMValidationError(str(exc), parameter=exc.field, value=exc.value) from exc
+        raise VLLMValidationError(str(exc), parameter=exc.field, value=exc.shown_value) from exc
