@@ -34,7 +34,7 @@ import urllib.request
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 from serverproc import MODEL_NAME, Server, healthy
 
@@ -131,6 +131,12 @@ def kv_fields(draw, long: bool, plausible: bool) -> list[tuple[str, str, object]
     return out
 
 
+# Valid whatever else a plausible case holds (kv_compress_at depends on the prompt: not here).
+PLAUSIBLE_VALUE = {"kv_budget": 64, "kv_scorer": "attn", "kv_pipeline": "tova", "kv_window": 8,
+                   "kv_recent": 4, "kv_sinks": 2, "kv_decode": False,
+                   "kv_per_head": True}  # fmt: skip
+DUPLICABLE = sorted(PLAUSIBLE_VALUE)
+
 GENERIC = {
     "seed": st.sampled_from([-1, 0, 42, 2**31, -(2**63), 2**63 - 1, 2**63, 2**64, 1.5, "7"]),
     "n": st.sampled_from([0, -1, 1, 2, 3, 16, "2"]),
@@ -161,7 +167,7 @@ def cases(draw) -> dict:
         "duplicate": draw(
             st.one_of(
                 *[st.none()] * 4,
-                st.tuples(st.sampled_from(WIRE_FIELDS), scalars, st.booleans()),
+                st.tuples(st.sampled_from(DUPLICABLE), scalars, st.booleans()),
             )
         ),
     }
@@ -174,8 +180,9 @@ def _json(value) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=True)  # NaN / Infinity tokens
 
 
-def encode(case: dict) -> tuple[bytes, set[str]]:
-    """Raw request bytes (duplicate keys kept) and the kv_* keys the server will see."""
+def encode(case: dict) -> tuple[bytes, dict[str, object]]:
+    """Raw request bytes (duplicate keys kept) and the kv_* fields the server will see
+    (``vllm_xargs`` first, top-level fields over them, the last of duplicate keys)."""
     chat = "chat" in case["endpoint"]
     text = LONG_PROMPT if case["long"] else "Hello"
     pairs: list[tuple[str, object]] = [
@@ -203,12 +210,10 @@ def encode(case: dict) -> tuple[bytes, set[str]]:
         pairs.append(("vllm_xargs", xargs))
     body = ", ".join(f"{_json(k)}: {_json(v)}" for k, v in pairs)
     body += "".join(f", {_json(k)}: {v}" for k, v in raw_top)
-    return ("{" + body + "}").encode(), {k for k in [*top, *xargs] if k.startswith("kv_")}
+    seen = {**xargs, **top}
+    return ("{" + body + "}").encode(), {k: v for k, v in seen.items() if k.startswith("kv_")}
 
 
-PLAUSIBLE_VALUE = {"kv_budget": 64, "kv_scorer": "attn", "kv_pipeline": "tova", "kv_window": 8,
-                   "kv_recent": 4, "kv_sinks": 2, "kv_decode": False, "kv_compress_at": 1,
-                   "kv_per_head": True}  # fmt: skip
 
 
 def send(server: Server, endpoint: str, data: bytes) -> tuple[int, str]:
@@ -235,8 +240,19 @@ def names_a_field(error: dict, keys: set[str]) -> bool:
     return False
 
 
+def known_engine_death(fields: dict) -> bool:
+    """kv_decode (any spelling of true) with a kv_compress_at point: see test_fuzz_findings."""
+    decode = fields.get("kv_decode")
+    decode = decode is True or decode == 1 or str(decode).lower() == "true"
+    return decode and fields.get("kv_compress_at") is not None
+
+
 def check(server: Server, case: dict) -> None:
-    data, kv_keys = encode(case)
+    data, kv_fields_seen = encode(case)
+    # Known engine death outside the front end, not fixed yet: tests/engine/test_fuzz_findings.py
+    # (xfail, strict). Remove this line with that marker.
+    assume(not known_engine_death(kv_fields_seen))
+    kv_keys = set(kv_fields_seen)
     status, text = send(server, case["endpoint"], data)
     STATS["cases"] += 1
     STATS[f"{status // 100}xx"] += 1
