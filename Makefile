@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-engine test-server lint clean-model bench bench-full \
+.PHONY: setup serve test test-unit test-engine test-server fuzz lint clean-model bench bench-full \
 	deploy-render deploy-check loadtest loadtest-compare soak
 
 setup:
@@ -28,6 +28,13 @@ test-engine: setup
 
 test-server: setup
 	$(PY) -m pytest -m server $(PYTEST_ARGS)
+
+## HTTP fuzzing of the kv_* fields at length (CI runs 250 fixed cases): a random seed each run,
+## FUZZ_EXAMPLES cases; the counts go to results/fuzz.json
+FUZZ_EXAMPLES ?= 3000
+fuzz: setup
+	OBCACHE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) OBCACHE_FUZZ_RANDOM=1 OBCACHE_FUZZ_REPORT=results/fuzz.json \
+		$(PY) -m pytest tests/server/test_fuzz.py -s --timeout=0 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -15,7 +15,9 @@ kv_pipeline     selection pipeline (see ``obcache_vllm.scoring.PIPELINE_NAMES``)
 kv_window       observation window (last prompt queries) for ``snapkv``; default 64
 kv_recent       most recent tokens always kept; default 16
 kv_sinks        first tokens always kept (attention sinks); default 4
-kv_decode       also evict during decoding (running scores); default false
+kv_decode       also evict during decoding (running scores); default false. Booleans are
+                true/false, "true"/"false" or 1/0 (``vllm_xargs`` turns JSON booleans
+                into integers)
 kv_compress_at  int k in [1, prompt length]: evict once the first k prompt tokens are cached,
                 scored with queries from those k only; the rest of the prompt (e.g. the
                 question) is prefilled on the compressed cache ("query-agnostic"). A fractional
@@ -74,6 +76,22 @@ class KvOptionsError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.value = value
+
+    @property
+    def shown_value(self) -> Any:
+        """The value, or a bounded repr of it: error responses never echo a huge input."""
+        return bounded(self.value)
+
+
+_SHOWN_CHARS = 80
+
+
+def bounded(value: Any) -> Any:
+    """``value`` if its repr is short, else the start of the repr and its full length."""
+    text = repr(value)
+    if len(text) <= _SHOWN_CHARS:
+        return value
+    return f"{text[:_SHOWN_CHARS]}... ({len(text)} chars)"
 
 
 @dataclass(frozen=True)
@@ -144,7 +162,9 @@ def _int_field(raw: Mapping[str, Any], field: str, default: int, minimum: int) -
 def _name_field(raw: Mapping[str, Any], field: str, default: str, known: tuple[str, ...]) -> str:
     value = raw.get(field, default)
     if not isinstance(value, str) or value not in known:
-        raise KvOptionsError(field, f"unknown name {value!r}; known: {', '.join(known)}", value)
+        shown = bounded(value)
+        shown = repr(value) if shown is value else shown
+        raise KvOptionsError(field, f"unknown name {shown}; known: {', '.join(known)}", value)
     return value
 
 
@@ -154,6 +174,9 @@ def _bool_field(raw: Mapping[str, Any], field: str, default: bool) -> bool:
         return value
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
+    # vLLM's vllm_xargs model (values str | int | float | list) turns a JSON true into 1.
+    if type(value) is int and value in (0, 1):
+        return value == 1
     raise KvOptionsError(field, "must be a boolean", value)
 
 
@@ -215,7 +238,9 @@ def parse_kv_options(
     budget = _resolve_budget(raw["kv_budget"], compress_at or num_prompt_tokens)
     if max_model_len is not None and budget > max_model_len:
         raise KvOptionsError(
-            "kv_budget", f"{budget} exceeds the model context length {max_model_len}", budget
+            "kv_budget",
+            f"{bounded(budget)} exceeds the model context length {max_model_len}",
+            budget,
         )
     opts = KvOptions(
         budget=budget,
@@ -229,6 +254,12 @@ def parse_kv_options(
         per_head=_bool_field(raw, "kv_per_head", True),
         prefill_evict=_bool_field(raw, "kv_prefill_evict", False),
     )
+    if max_model_len is not None and opts.window > max_model_len:
+        raise KvOptionsError(
+            "kv_window",
+            f"{bounded(opts.window)} exceeds the model context length {max_model_len}",
+            opts.window,
+        )
     if opts.sinks + opts.recent >= opts.budget:
         raise KvOptionsError(
             "kv_budget",

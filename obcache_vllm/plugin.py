@@ -20,7 +20,9 @@ backend, scheduler, model runner, request validation) is installed from here by
 internal signature it relies on and refuses to start on a mismatch.
 
 Debugging aid: if ``OBCACHE_VLLM_PLUGIN_TRACE`` names a file, each process appends one line
-``"<pid> <process-name> registered"`` on its first call and ``"<pid> duplicate"`` on later calls.
+``"<pid> <process-name> registered"`` on its first call (then ``"<pid> <process-name>
+api-server"`` if that process got the OpenAI-server patches) and ``"<pid> duplicate"`` on later
+calls.
 The engine tests use it to prove the plugin is discovered and loaded once in every process.
 """
 
@@ -45,8 +47,10 @@ def register() -> None:
     _registered_pid = pid
     from obcache_vllm.vllm_ext.install import install
 
-    install()
+    serving = install()
     _trace(f"{pid} {_process_name()} registered")
+    if serving:
+        _trace(f"{pid} {_process_name()} api-server")
 
 
 def _process_name() -> str:

@@ -18,9 +18,11 @@ rather than silently compacting KV through a changed interface. Then, process-lo
   and ``AttentionBackendEnum.FLASH_ATTN`` -> ``OBCacheFlashAttnBackend``.
 * ``InputProcessor.process_inputs``: kv_* options are validated in the front-end, before the
   request reaches the engine (``VLLMValidationError`` -> HTTP 400), including configurations
-  that cannot evict (they refuse budgeted requests only).
+  and requests that cannot evict (they refuse budgeted requests only; see ``support.py``).
 * ``SchedulerStats`` gains an ``obcache`` field (every process; see ``stats.py``).
-* In the process that serves the OpenAI API (vLLM's app builder is loaded):
+* In the process that serves the OpenAI API (vLLM's app builder is loaded when the plugin
+  starts; decided before anything is imported, so EngineCore and workers never import the
+  server's modules on our behalf):
   :func:`obcache_vllm.vllm_ext.server.install_server` (kv_* request fields and server defaults,
   ``usage.obcache``, ``GET /v1/obcache/config``) and the obcache Prometheus stat logger.
 """
@@ -33,8 +35,8 @@ import inspect
 import logging
 import sys
 
-from obcache_vllm.options import KvOptionsError, parse_kv_options
 from obcache_vllm.vllm_ext.patching import patch_method
+from obcache_vllm.vllm_ext.support import check_capacity, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,29 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("self", "scheduler_output", "intermediate_tensors"),
     ),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
+    # Seeded sampling under chunked prefill with CPU generators (seeded.py): vLLM rewinds the
+    # generator of a discarded row with Philox-only set_offset(get_offset() - 4) in
+    # _bookkeeping_sync (vllm-project/vllm#10097: "relies on cuda-specific torch-internal impl
+    # details"); a CPU (mt19937) generator raises "CPU Generator does not use offset" and the
+    # engine dies. We snapshot/restore those generators around _sample and hide them from the
+    # rewind. Same bug elsewhere: RBLN-SW/vllm-rbln#1025, qualcomm/vllm-qaic#92.
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._sample",
+        ("self", "logits", "spec_decode_metadata"),
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._bookkeeping_sync",
+        (
+            "self",
+            "scheduler_output",
+            "sampler_output",
+            "logits",
+            "hidden_states",
+            "num_scheduled_tokens",
+        ),
+    ),
     (
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner._build_attention_metadata",
@@ -178,6 +203,18 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("self", "request_id", "prompt", "params"),
     ),
     ("vllm.v1.attention.backends.registry", "register_backend", ("backend", "class_path")),
+    # support.py: the prompt length of token-id and prompt-embeds requests alike.
+    (
+        "vllm.utils",
+        "length_from_prompt_token_ids_or_embeds",
+        ("prompt_token_ids", "prompt_embeds"),
+    ),
+    # server.py: the rendered prompt's token ids / embeddings in the generate handlers.
+    (
+        "vllm.entrypoints.serve.engine.serving",
+        "BaseServing._extract_prompt_components",
+        ("self", "prompt"),
+    ),
     # Teacher forcing (forcing.py): a v1 batch-level logits processor, applied by the sampler
     # AFTER the raw logprobs are computed (Sampler.forward), so forced tokens keep model logprobs.
     (
@@ -274,6 +311,39 @@ ATTRIBUTES: tuple[tuple[str, str], ...] = (
 # Instance state we read or write, as (module, class, attribute names): dataclass fields, or
 # attributes assigned in ``__init__`` (checked in its source).
 STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # seeded.py: the rows whose sampled token is dropped, and their per-request generators.
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        ("input_batch", "discard_request_mask"),
+    ),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch", ("generators", "num_reqs")),
+    # support.py: what budgeted requests are refused with (read in the front end).
+    (
+        "vllm.config.parallel",
+        "ParallelConfig",
+        (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "decode_context_parallel_size",
+            "prefill_context_parallel_size",
+        ),
+    ),
+    ("vllm.config.scheduler", "SchedulerConfig", ("async_scheduling", "scheduler_cls")),
+    ("vllm.config.cache", "CacheConfig", ("cache_dtype", "kv_sharing_fast_prefill")),
+    (
+        "vllm.config.model",
+        "ModelConfig",
+        ("max_model_len", "hf_text_config", "use_mla", "is_hybrid", "is_attention_free"),
+    ),
+    (
+        "vllm.v1.engine",
+        "EngineCoreRequest",
+        ("prompt_token_ids", "prompt_embeds", "sampling_params"),
+    ),
+    # server.py: the generate handlers' engine client and its config.
+    ("vllm.entrypoints.generate.base.serving", "GenerateBaseServing", ("engine_client",)),
+    ("vllm.v1.engine.async_llm", "AsyncLLM", ("vllm_config",)),
     (
         "vllm.v1.core.sched.output",
         "SchedulerOutput",
@@ -288,7 +358,11 @@ STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 
 # The module whose presence means "this process serves vLLM's OpenAI API" (imported by the
 # `vllm serve` entry point before plugins load; never by EngineCore or worker processes).
+# install() tests it BEFORE anything is imported: check_compatibility() used to import it (a
+# SEAMS module) first, so every process installed the server patches.
 API_SERVER_MODULE = "vllm.entrypoints.launchers.app"
+# The seams of the API-server process: checked, imported and patched there only.
+SERVER_MODULE_PREFIXES = ("vllm.entrypoints.", "vllm.v1.engine.async_llm")
 
 
 class IncompatibleVllmError(RuntimeError):
@@ -302,8 +376,18 @@ def _resolve(module: str, qualname: str):
     return obj
 
 
-def check_compatibility() -> None:
-    """Raise :class:`IncompatibleVllmError` unless every seam is exactly as expected."""
+def is_server_module(module: str) -> bool:
+    """A module of the OpenAI API server (front-end only: never imported by EngineCore/workers
+    on our behalf)."""
+    return module.startswith(SERVER_MODULE_PREFIXES)
+
+
+def check_compatibility(include_server: bool = True) -> None:
+    """Raise :class:`IncompatibleVllmError` unless every seam is exactly as expected.
+
+    ``include_server=False`` skips the API server's seams (:func:`is_server_module`) without
+    importing their modules: the check of a process that does not serve the OpenAI API.
+    """
     import vllm
 
     if vllm.__version__ not in SUPPORTED_VLLM:
@@ -312,6 +396,8 @@ def check_compatibility() -> None:
         )
     problems = []
     for module, qualname, params in SEAMS:
+        if not include_server and is_server_module(module):
+            continue
         try:
             target = _resolve(module, qualname)
         except (ImportError, AttributeError) as exc:
@@ -321,115 +407,35 @@ def check_compatibility() -> None:
         if names[: len(params)] != params:
             problems.append(f"{module}.{qualname}: parameters {names}, expected {params}")
     for module, name in ATTRIBUTES:
+        if not include_server and is_server_module(module):
+            continue
         try:
             _resolve(module, name)
         except (ImportError, AttributeError) as exc:
             problems.append(f"{module}.{name}: missing ({exc})")
     for module, name, attrs in STATE:
+        if not include_server and is_server_module(module):
+            continue
         try:
             cls = _resolve(module, name)
         except (ImportError, AttributeError) as exc:
             problems.append(f"{module}.{name}: missing ({exc})")
             continue
-        fields = getattr(cls, "__dataclass_fields__", None)
+        # dataclass fields, msgspec struct fields, or assignments in __init__'s source
+        fields = getattr(cls, "__dataclass_fields__", None) or getattr(
+            cls, "__struct_fields__", None
+        )
         source = "" if fields is not None else inspect.getsource(cls.__init__)
         for attr in attrs:
             if fields is not None and attr in fields:
                 continue
             if f"self.{attr} =" in source or f"self.{attr}:" in source:
                 continue
-            if fields is None and isinstance(getattr(cls, attr, None), property):
+            if isinstance(getattr(cls, attr, None), property):
                 continue
             problems.append(f"{module}.{name}.{attr}: missing")
     if problems:
         raise IncompatibleVllmError("vLLM internals changed:\n  " + "\n  ".join(problems))
-
-
-def unsupported_reason(vllm_config) -> str | None:
-    """Why budgeted requests cannot be served by this engine configuration, or None."""
-    from obcache_vllm.vllm_ext.backends import platform_unsupported_reason
-
-    reason = platform_unsupported_reason(vllm_config)
-    if reason is not None:
-        return reason
-    if vllm_config.speculative_config is not None:
-        return "speculative decoding is not supported with kv_budget"
-    if vllm_config.kv_transfer_config is not None:
-        return "KV connectors / offloading are not supported with kv_budget"
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
-        return f"quantized KV cache ({cache_dtype}) is not supported with kv_budget"
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        return "pipeline parallelism is not supported with kv_budget"
-    model_config = vllm_config.model_config
-    if model_config.is_hybrid or model_config.is_attention_free:
-        return "hybrid / attention-free models are not supported with kv_budget"
-    if model_config.get_sliding_window() is not None:
-        return "sliding-window models are not supported with kv_budget"
-    if vllm_config.use_v2_model_runner:
-        return "the V2 model runner is not supported with kv_budget (VLLM_USE_V2_MODEL_RUNNER=0)"
-    return None
-
-
-def validate_request(vllm_config, engine_request) -> None:
-    """Front-end check of one request's kv_* options; raises ``VLLMValidationError``."""
-    from vllm.exceptions import VLLMValidationError
-
-    params = engine_request.sampling_params
-    if params is None or not params.extra_args:
-        return
-    num_prompt = len(engine_request.prompt_token_ids or ())
-    try:
-        options = parse_kv_options(
-            params.extra_args, num_prompt, vllm_config.model_config.max_model_len
-        )
-    except KvOptionsError as exc:
-        _count_rejection(exc.field)
-        raise VLLMValidationError(str(exc), parameter=exc.field, value=exc.value) from exc
-    if options is None:
-        return
-    reason = unsupported_reason(vllm_config)
-    if reason is not None:
-        _count_rejection("kv_budget")
-        raise VLLMValidationError(reason, parameter="kv_budget", value=options.budget)
-
-
-def check_capacity(vllm_config, engine_request) -> None:
-    """400 for a request that can never fit the KV pool (:mod:`.capacity`)."""
-    from vllm.exceptions import VLLMValidationError
-
-    from obcache_vllm.vllm_ext.capacity import capacity_error
-
-    params = engine_request.sampling_params
-    if params is None:
-        return
-    num_prompt = length_from_prompt(engine_request)
-    try:
-        options = parse_kv_options(params.extra_args, num_prompt)
-    except KvOptionsError:
-        return  # validate_request has refused it already
-    error = capacity_error(vllm_config, num_prompt, params.max_tokens, options)
-    if error is not None:
-        _count_rejection(error.field)
-        raise VLLMValidationError(str(error), parameter=error.field, value=error.value)
-
-
-def length_from_prompt(engine_request) -> int:
-    """Prompt length of an ``EngineCoreRequest`` (token ids, or prompt embeddings)."""
-    from vllm.utils import length_from_prompt_token_ids_or_embeds
-
-    try:
-        return length_from_prompt_token_ids_or_embeds(
-            engine_request.prompt_token_ids, engine_request.prompt_embeds
-        )
-    except ValueError:  # neither: nothing to hold in the cache
-        return 0
-
-
-def _count_rejection(field: str) -> None:
-    from obcache_vllm.vllm_ext.stats import count_rejection
-
-    count_rejection(field)
 
 
 def _wrap_process_inputs(original):
@@ -476,16 +482,22 @@ def install_api_server() -> None:
     patch_method(async_llm, "load_stat_logger_plugin_factories", stat_logger_factories)
 
 
-def install() -> None:
-    """Check compatibility, then apply every patch (idempotent, process-local)."""
-    check_compatibility()
+def install() -> bool:
+    """Check compatibility, then apply every patch (idempotent, process-local).
+
+    Returns whether this process serves the OpenAI API (and got the server patches): decided
+    before anything is imported, so EngineCore and worker processes neither import nor patch
+    the server's modules.
+    """
+    serving = API_SERVER_MODULE in sys.modules
+    check_compatibility(include_server=serving)
     from obcache_vllm.vllm_ext.stats import install_scheduler_stats_field
 
     install_scheduler_stats_field()
     from obcache_vllm.vllm_ext.capacity import install_relaxed_pool_check
 
     install_relaxed_pool_check()
-    if API_SERVER_MODULE in sys.modules:
+    if serving:
         install_api_server()
     from vllm.config.scheduler import SchedulerConfig
     from vllm.v1.engine.input_processor import InputProcessor
@@ -495,3 +507,4 @@ def install() -> None:
     from obcache_vllm.vllm_ext.backends import install_platform_backend
 
     install_platform_backend()
+    return serving

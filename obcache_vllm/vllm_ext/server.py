@@ -11,7 +11,9 @@ vLLM's own server and protocol stay in charge; the patches only:
   prompt length is validated here, so a bad option is an HTTP 400 naming the field for
   streaming requests too, before anything is sent to the engine.
 * ``BaseServing._log_inputs``: the checks that need the tokenized prompt (a fractional budget
-  that rounds to nothing, a budget beyond the context, ``kv_compress_at`` past the prompt). This
+  that rounds to nothing, a budget or window beyond the context, ``kv_compress_at`` past the
+  prompt) and the refusals of :mod:`~obcache_vllm.vllm_ext.support` (a budget this engine
+  configuration or this request, e.g. one with prompt embeddings, cannot serve). This
   is the one call of every generate handler where the rendered prompt and the request's
   ``SamplingParams`` meet, synchronously, before ``engine_client.generate``; raising there
   becomes vLLM's HTTP 400 even for a stream, whose 200 is sent only after the handler returns.
@@ -35,6 +37,7 @@ from typing import Any
 
 from obcache_vllm import config, options
 from obcache_vllm.planning import OUTCOME_KEY
+from obcache_vllm.vllm_ext import support
 from obcache_vllm.vllm_ext.patching import patch_method
 
 logger = logging.getLogger(__name__)
@@ -82,9 +85,9 @@ def requested_kv_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping
     return fields
 
 
-def prevalidate(merged: Mapping[str, Any]) -> None:
-    """Every check that does not need the prompt; raises :class:`options.KvOptionsError`."""
-    for key, value in merged.items():
+def check_scalars(fields: Mapping[str, Any]) -> None:
+    """Each value a JSON scalar within int64 and finite; raises :class:`options.KvOptionsError`."""
+    for key, value in fields.items():
         if value is not None and not isinstance(value, (str, int, float, bool)):
             kind = type(value).__name__
             raise options.KvOptionsError(key, f"must be a scalar, got {kind}", value)
@@ -92,6 +95,11 @@ def prevalidate(merged: Mapping[str, Any]) -> None:
             raise options.KvOptionsError(key, "out of range", value)
         if isinstance(value, float) and not math.isfinite(value):
             raise options.KvOptionsError(key, "must be finite", value)
+
+
+def prevalidate(merged: Mapping[str, Any]) -> None:
+    """Every check that does not need the prompt; raises :class:`options.KvOptionsError`."""
+    check_scalars(merged)
     # A fraction is checked against the longest prompt here; per prompt in the input processor.
     options.parse_kv_options(merged, num_prompt_tokens=1 << 30)
 
@@ -102,7 +110,26 @@ def _reject(exc: options.KvOptionsError):
     from obcache_vllm.vllm_ext.stats import count_rejection
 
     count_rejection(exc.field)
-    return VLLMValidationError(str(exc), parameter=exc.field, value=exc.value)
+    return VLLMValidationError(str(exc), parameter=exc.field, value=exc.shown_value)
+
+
+def check_rendered_prompt(serving, inputs, extra_args: Mapping[str, Any]) -> None:
+    """The checks of ``support.check_request`` on one rendered prompt of a generate handler.
+
+    Raises:
+        options.KvOptionsError: a bad option, or a budget this engine or request cannot serve.
+    """
+    components = serving._extract_prompt_components(inputs)
+    token_ids, embeds = components.token_ids, components.embeds
+    if token_ids is not None:
+        num_prompt = len(token_ids)
+    else:
+        num_prompt = len(embeds) if embeds is not None else 0
+    vllm_config = getattr(getattr(serving, "engine_client", None), "vllm_config", None)
+    if vllm_config is None:  # not a generate handler of AsyncLLM: the prompt checks only
+        options.parse_kv_options(extra_args, num_prompt, serving.model_config.max_model_len)
+        return
+    support.check_request(vllm_config, extra_args, num_prompt, prompt_embeds=embeds is not None)
 
 
 def _wrap_log_inputs(original):
@@ -111,14 +138,10 @@ def _wrap_log_inputs(original):
         params = kwargs["params"] if "params" in kwargs else (args[0] if args else None)
         extra = getattr(params, "extra_args", None)  # None for beam search and pooling
         if extra and any(is_kv_option(k) for k in extra):
-            token_ids = self._extract_prompt_components(inputs).token_ids
-            if token_ids is not None:  # embeddings-only prompts: left to the input processor
-                try:
-                    options.parse_kv_options(
-                        extra, len(token_ids), self.model_config.max_model_len
-                    )
-                except options.KvOptionsError as exc:
-                    raise _reject(exc) from exc
+            try:
+                check_rendered_prompt(self, inputs, extra)
+            except options.KvOptionsError as exc:
+                raise _reject(exc) from exc
         _check_capacity(self, inputs, params)
         return original(self, request_id, inputs, *args, **kwargs)
 
@@ -149,13 +172,16 @@ def _check_capacity(serving, inputs, params) -> None:
 def _wrap_to_sampling_params(original):
     @functools.wraps(original)
     def to_sampling_params(self, *args, **kwargs):
-        params = original(self, *args, **kwargs)
         requested = requested_kv_fields(self.vllm_xargs, self.model_extra)
         merged = config.merge_request(server_defaults(), requested)
         try:
+            # Before vLLM's own checks: its range check of extra_args would reject an int
+            # beyond 64 bits in vllm_xargs as "extra_args", without naming the kv_* field.
+            check_scalars(requested_kv_fields(self.vllm_xargs, None))
             prevalidate(merged)
         except options.KvOptionsError as exc:
             raise _reject(exc) from exc
+        params = original(self, *args, **kwargs)
         extra = {k: v for k, v in (params.extra_args or {}).items() if not is_kv_option(k)}
         extra.update(merged)
         params.extra_args = extra or None

@@ -2,7 +2,8 @@
 
 Usage: ``python stock_runner.py IN.json OUT.json`` with ``VLLM_PLUGINS=`` (empty) in the
 environment. IN.json: ``{"engine": {...LLM kwargs...}, "batches": [[{"prompt_token_ids": [...],
-"max_tokens": n, "extra_args": {...}}, ...], ...]}``; each batch is one ``LLM.generate`` call,
+"max_tokens": n, "extra_args": {...}}, ...], ...]}`` (optional per request: ``temperature``
+(default 0), ``seed``, ``ignore_eos``); each batch is one ``LLM.generate`` call,
 so batch composition matches the plugin-side run. OUT.json: the token ids, batch by batch.
 """
 
@@ -25,7 +26,11 @@ def main() -> None:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
         params = [
             SamplingParams(
-                temperature=0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args")
+                temperature=r.get("temperature", 0),
+                seed=r.get("seed"),
+                ignore_eos=r.get("ignore_eos", False),
+                max_tokens=r["max_tokens"],
+                extra_args=r.get("extra_args"),
             )
             for r in batch
         ]

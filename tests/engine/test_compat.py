@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from obcache_vllm.vllm_ext import install as inst
+from obcache_vllm.vllm_ext import support
 
 
 def test_installed_vllm_matches_every_pinned_seam():
@@ -66,7 +67,7 @@ def test_install_is_idempotent():
 
 def test_unsupported_configurations_are_named(llm):
     config = llm.llm_engine.vllm_config
-    assert inst.unsupported_reason(config) is None
+    assert support.unsupported_reason(config) is None
     cases = {
         "speculative": dict(speculative_config=SimpleNamespace()),
         "KV connectors": dict(kv_transfer_config=SimpleNamespace()),
@@ -75,10 +76,10 @@ def test_unsupported_configurations_are_named(llm):
         fake = copy.copy(config)
         for k, v in change.items():
             object.__setattr__(fake, k, v)
-        assert needle in inst.unsupported_reason(fake)
+        assert needle in support.unsupported_reason(fake)
     fake = copy.copy(config)
     object.__setattr__(fake, "cache_config", SimpleNamespace(cache_dtype="fp8"))
-    assert "quantized" in inst.unsupported_reason(fake)
+    assert "quantized" in support.unsupported_reason(fake)
 
 
 @pytest.mark.parametrize(

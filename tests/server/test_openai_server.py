@@ -204,6 +204,7 @@ BAD_INPUTS = [
     pytest.param({"kv_budget": 64, "kv_foo": 1}, "kv_foo", id="unknown-field"),
     pytest.param({"kv_scorer": "obcache_key"}, "kv_scorer", id="option-without-budget"),
     pytest.param({"kv_budget": 99999}, "kv_budget", id="beyond-context"),
+    pytest.param({"kv_budget": 64, "kv_window": 4096}, "kv_window", id="window-beyond-context"),
     pytest.param({"vllm_xargs": {"kv_budget": -1}}, "kv_budget", id="in-vllm_xargs"),
 ]
 
@@ -277,6 +278,7 @@ PROMPT_DEPENDENT = [
     pytest.param({"kv_budget": 99999}, "kv_budget", id="beyond-context"),
     pytest.param({"kv_budget": 64, "kv_compress_at": 100000}, "kv_compress_at",
                  id="compress-at-past-prompt"),
+    pytest.param({"kv_budget": 64, "kv_window": 2049}, "kv_window", id="window-beyond-context"),
 ]
 
 

@@ -39,6 +39,7 @@ from obcache_vllm.vllm_ext.core import (
     EvictingImplMixin,
 )
 from obcache_vllm.vllm_ext.runner import EvictingRunnerMixin
+from obcache_vllm.vllm_ext.seeded import SeededCpuSamplingMixin
 from obcache_vllm.vllm_ext.step import StepPlan
 
 
@@ -189,5 +190,6 @@ class OBCacheCPUBackend(CPUAttentionBackend):
         return OBCacheMetadataBuilder
 
 
-class OBCacheCPUModelRunner(EvictingRunnerMixin, CPUModelRunner):
-    """vLLM's CPU model runner with the worker half of eviction."""
+class OBCacheCPUModelRunner(EvictingRunnerMixin, SeededCpuSamplingMixin, CPUModelRunner):
+    """vLLM's CPU model runner with the worker half of eviction, and seeded sampling that
+    survives chunked prefill (:mod:`obcache_vllm.vllm_ext.seeded`)."""

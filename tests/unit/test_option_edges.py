@@ -1,0 +1,60 @@
+"""Edges of the kv_* options found by the HTTP fuzzer (tests/server/test_fuzz.py), pure Python."""
+
+from __future__ import annotations
+
+import pytest
+
+from obcache_vllm.options import KvOptionsError, bounded, parse_kv_options
+from obcache_vllm.vllm_ext import server
+
+BUDGET = {"kv_budget": 64}
+
+
+@pytest.mark.parametrize("field", ["kv_decode", "kv_per_head"])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        pytest.param(True, True, id="json-true"),
+        pytest.param("False", False, id="string"),
+        pytest.param(1, True, id="one"),  # what vllm_xargs makes of a JSON true
+        pytest.param(0, False, id="zero"),
+    ],
+)
+def test_booleans_accept_what_vllm_xargs_makes_of_them(field, value, expected):
+    opts = parse_kv_options({**BUDGET, field: value}, 500)
+    assert getattr(opts, field.removeprefix("kv_")) is expected
+
+
+@pytest.mark.parametrize("value", [2, -1, 1.0, "yes", None])
+def test_other_values_are_not_booleans(value):
+    with pytest.raises(KvOptionsError) as info:
+        parse_kv_options({**BUDGET, "kv_decode": value}, 500)
+    assert info.value.field == "kv_decode"
+
+
+def test_window_is_bounded_by_the_context():
+    assert parse_kv_options({**BUDGET, "kv_window": 2048}, 500, max_model_len=2048).window == 2048
+    for window in (2049, 1e308):  # 1e308 is an integer-valued float: int(1e308) before
+        with pytest.raises(KvOptionsError) as info:
+            parse_kv_options({**BUDGET, "kv_window": window}, 500, max_model_len=2048)
+        assert info.value.field == "kv_window" and len(str(info.value)) < 200
+    assert parse_kv_options({**BUDGET, "kv_window": 4096}, 500).window == 4096  # no context known
+
+
+def test_errors_never_echo_a_huge_value():
+    huge = "x" * (1 << 20)
+    with pytest.raises(KvOptionsError) as info:
+        parse_kv_options({**BUDGET, "kv_scorer": huge}, 500)
+    assert len(str(info.value)) < 300 and "1048578 chars" in str(info.value)
+    assert info.value.value is huge  # the exception keeps it; responses show .shown_value
+    assert len(str(info.value.shown_value)) < 120
+    assert bounded(64) == 64 and bounded("attn") == "attn"
+
+
+def test_vllm_xargs_values_are_checked_on_their_own():
+    """The server checks them before vLLM's own extra_args check (which names no field)."""
+    xargs = {"kv_budget": 2**64, "other": 2**64}
+    with pytest.raises(KvOptionsError) as info:
+        server.check_scalars(server.requested_kv_fields(xargs, None))
+    assert info.value.field == "kv_budget"
+    server.check_scalars(server.requested_kv_fields({"kv_budget": 64, "other": 2**64}, None))
