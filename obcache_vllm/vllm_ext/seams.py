@@ -1,0 +1,409 @@
+"""The vLLM internals obcache-vllm relies on, pinned: versions, signatures, attributes, state.
+
+:func:`check_compatibility` runs at start in every process (from :func:`~obcache_vllm.
+vllm_ext.install.install`); a mismatch raises :class:`IncompatibleVllmError` and vLLM refuses to
+start, rather than silently compacting KV through a changed interface. The tables list every
+internal the adapters read, write or patch, with the parameters our code passes or overrides.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+SUPPORTED_VLLM = ("0.32.0",)
+
+# (module, qualname, parameter names that our code passes or overrides)
+SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("vllm.config.scheduler", "SchedulerConfig.get_scheduler_cls", ("self",)),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.__init__",
+        (
+            "self",
+            "vllm_config",
+            "kv_cache_config",
+            "structured_output_manager",
+            "block_size",
+            "hash_block_size",
+            "mm_registry",
+            "include_finished_set",
+            "log_stats",
+        ),
+    ),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self", "throttle_prefills")),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_from_output",
+        ("self", "scheduler_output", "model_runner_output"),
+    ),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ("self", "request")),
+    # Not patched, but OBCacheScheduler._cut_chunk_at undoes exactly what it advances.
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._update_after_schedule",
+        ("self", "scheduler_output"),
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._preempt_request",
+        ("self", "request", "timestamp", "drop_stale_output"),
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._free_request",
+        ("self", "request", "delay_free_blocks"),
+    ),
+    (
+        "vllm.v1.core.single_type_kv_cache_manager",
+        "SingleTypeKVCacheManager._remove_blocks_in_range",
+        ("self", "request_id", "first_block", "last_block"),
+    ),
+    (
+        "vllm.v1.core.kv_cache_coordinator",
+        "KVCacheCoordinator.cache_blocks",
+        ("self", "request", "num_computed_tokens"),
+    ),
+    ("vllm.v1.core.block_pool", "BlockPool.is_block_writable", ("self", "block")),
+    # kv_prefill_evict: admission by bounded peak (scheduler.py), pools smaller than the
+    # context (capacity.py).
+    (
+        "vllm.v1.core.kv_cache_manager",
+        "KVCacheManager.allocate_slots",
+        ("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+         "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
+         "num_encoder_tokens", "full_sequence_must_fit"),
+    ),
+    (
+        "vllm.v1.engine.core",
+        "get_kv_cache_configs",
+        ("vllm_config", "kv_cache_specs", "available_memory"),
+    ),
+    (
+        "vllm.v1.core.kv_cache_utils",
+        "_check_enough_kv_cache_memory",
+        ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.execute_model",
+        ("self", "scheduler_output", "intermediate_tensors"),
+    ),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
+    # Seeded sampling under chunked prefill with CPU generators (seeded.py): vLLM rewinds the
+    # generator of a discarded row with Philox-only set_offset(get_offset() - 4) in
+    # _bookkeeping_sync (vllm-project/vllm#10097: "relies on cuda-specific torch-internal impl
+    # details"); a CPU (mt19937) generator raises "CPU Generator does not use offset" and the
+    # engine dies. We snapshot/restore those generators around _sample and hide them from the
+    # rewind. Same bug elsewhere: RBLN-SW/vllm-rbln#1025, qualcomm/vllm-qaic#92.
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._sample",
+        ("self", "logits", "spec_decode_metadata"),
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._bookkeeping_sync",
+        (
+            "self",
+            "scheduler_output",
+            "sampler_output",
+            "logits",
+            "hidden_states",
+            "num_scheduled_tokens",
+        ),
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._build_attention_metadata",
+        (
+            "self",
+            "num_tokens",
+            "num_reqs",
+            "max_query_len",
+            "num_tokens_padded",
+            "num_reqs_padded",
+            "ubatch_slices",
+            "logits_indices",
+            "max_num_sampled_tokens",
+            "use_spec_decode",
+            "for_cudagraph_capture",
+            "num_scheduled_tokens",
+            "slot_mappings",
+        ),
+    ),
+    (
+        "vllm.v1.attention.backends.cpu_attn",
+        "CPUAttentionMetadataBuilder.build",
+        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+    ),
+    (
+        "vllm.v1.attention.backends.cpu_attn",
+        "CPUAttentionBackendImpl.forward",
+        (
+            "self",
+            "layer",
+            "query",
+            "key",
+            "value",
+            "kv_cache",
+            "attn_metadata",
+            "output",
+            "output_scale",
+            "output_block_scale",
+        ),
+    ),
+    (
+        "vllm._custom_ops",
+        "cpu_attn_reshape_and_cache",
+        (
+            "key",
+            "value",
+            "key_cache",
+            "value_cache",
+            "slot_mapping",
+            "isa",
+            "k_scale",
+            "v_scale",
+            "kv_cache_dtype",
+        ),
+    ),
+    (
+        "vllm.v1.engine.input_processor",
+        "InputProcessor.process_inputs",
+        ("self", "request_id", "prompt", "params"),
+    ),
+    ("vllm.v1.attention.backends.registry", "register_backend", ("backend", "class_path")),
+    # support.py: the prompt length of token-id and prompt-embeds requests alike.
+    (
+        "vllm.utils",
+        "length_from_prompt_token_ids_or_embeds",
+        ("prompt_token_ids", "prompt_embeds"),
+    ),
+    # server.py: the rendered prompt's token ids / embeddings in the generate handlers.
+    (
+        "vllm.entrypoints.serve.engine.serving",
+        "BaseServing._extract_prompt_components",
+        ("self", "prompt"),
+    ),
+    # Teacher forcing (forcing.py): a v1 batch-level logits processor, applied by the sampler
+    # AFTER the raw logprobs are computed (Sampler.forward), so forced tokens keep model logprobs.
+    (
+        "vllm.v1.sample.logits_processor",
+        "LogitsProcessor.__init__",
+        ("self", "vllm_config", "device", "is_pin_memory"),
+    ),
+    ("vllm.v1.sample.logits_processor", "LogitsProcessor.update_state", ("self", "batch_update")),
+    ("vllm.v1.sample.logits_processor", "LogitsProcessor.apply", ("self", "logits")),
+    (
+        "vllm.v1.sample.sampler",
+        "Sampler.forward",
+        ("self", "logits", "sampling_metadata", "predict_bonus_token", "logprobs_mode_override"),
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.make_stats",
+        (
+            "self",
+            "spec_decoding_stats",
+            "kv_connector_stats",
+            "cudagraph_stats",
+            "perf_stats",
+            "ec_connector_stats",
+        ),
+    ),
+    (
+        "vllm.v1.metrics.loggers",
+        "PrometheusStatLogger.__init__",
+        ("self", "vllm_config", "engine_indexes"),
+    ),
+    (
+        "vllm.v1.metrics.loggers",
+        "PrometheusStatLogger.record",
+        ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
+    ),
+    ("vllm.v1.engine.async_llm", "load_stat_logger_plugin_factories", ()),
+    (
+        "vllm.entrypoints.openai.chat_completion.protocol",
+        "ChatCompletionRequest.to_sampling_params",
+        ("self", "max_tokens", "default_sampling_params"),
+    ),
+    (
+        "vllm.entrypoints.openai.completion.protocol",
+        "CompletionRequest.to_sampling_params",
+        ("self", "max_tokens", "default_sampling_params"),
+    ),
+    (
+        "vllm.entrypoints.serve.engine.serving",
+        "BaseServing._log_inputs",
+        ("self", "request_id", "inputs", "params", "lora_request"),
+    ),
+    (
+        "vllm.entrypoints.openai.chat_completion.serving",
+        "OpenAIServingChat.chat_completion_full_generator",
+        ("self", "request", "result_generator"),
+    ),
+    (
+        "vllm.entrypoints.openai.chat_completion.serving",
+        "OpenAIServingChat.chat_completion_stream_generator",
+        ("self", "request", "result_generator"),
+    ),
+    (
+        "vllm.entrypoints.openai.completion.serving",
+        "OpenAIServingCompletion.completion_stream_generator",
+        ("self", "request", "engine_inputs", "result_generator"),
+    ),
+    (
+        "vllm.entrypoints.openai.completion.serving",
+        "OpenAIServingCompletion.request_output_to_completion_response",
+        ("self", "final_res_batch"),
+    ),
+    (
+        "vllm.entrypoints.launchers.app",
+        "register_api_routers",
+        ("args", "app", "supported_tasks", "model_config"),
+    ),
+)
+
+# Attributes (not callables) we read or write.
+ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("vllm.v1.worker.cpu_worker", "CPUModelRunner"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput"),
+    ("vllm.v1.outputs", "ModelRunnerOutput"),
+    ("vllm.v1.sample.logits_processor", "BatchUpdate"),
+    ("vllm.v1.sample.logits_processor", "MoveDirectionality"),
+    ("vllm.v1.engine", "EngineCoreOutput.kv_transfer_params"),
+    ("vllm.outputs", "RequestOutput"),
+    ("vllm.v1.metrics.stats", "SchedulerStats"),
+    ("vllm.entrypoints.serve.engine.protocol", "UsageInfo"),
+)
+
+
+# Instance state we read or write, as (module, class, attribute names): dataclass fields, or
+# attributes assigned in ``__init__`` (checked in its source).
+STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # seeded.py: the rows whose sampled token is dropped, and their per-request generators.
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        ("input_batch", "discard_request_mask"),
+    ),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch", ("generators", "num_reqs")),
+    # support.py: what budgeted requests are refused with (read in the front end).
+    (
+        "vllm.config.parallel",
+        "ParallelConfig",
+        (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "decode_context_parallel_size",
+            "prefill_context_parallel_size",
+        ),
+    ),
+    ("vllm.config.scheduler", "SchedulerConfig", ("async_scheduling", "scheduler_cls")),
+    ("vllm.config.cache", "CacheConfig", ("cache_dtype", "kv_sharing_fast_prefill")),
+    (
+        "vllm.config.model",
+        "ModelConfig",
+        ("max_model_len", "hf_text_config", "use_mla", "is_hybrid", "is_attention_free"),
+    ),
+    (
+        "vllm.v1.engine",
+        "EngineCoreRequest",
+        ("prompt_token_ids", "prompt_embeds", "sampling_params"),
+    ),
+    # server.py: the generate handlers' engine client and its config.
+    ("vllm.entrypoints.generate.base.serving", "GenerateBaseServing", ("engine_client",)),
+    ("vllm.v1.engine.async_llm", "AsyncLLM", ("vllm_config",)),
+    (
+        "vllm.v1.core.sched.output",
+        "SchedulerOutput",
+        ("num_scheduled_tokens", "total_num_scheduled_tokens"),
+    ),
+    (
+        "vllm.v1.request",
+        "Request",
+        ("num_computed_tokens", "num_in_flight_tokens", "is_prefill_chunk", "num_prompt_tokens"),
+    ),
+)
+
+# The module whose presence means "this process serves vLLM's OpenAI API" (imported by the
+# `vllm serve` entry point before plugins load; never by EngineCore or worker processes).
+# install() tests it BEFORE anything is imported: check_compatibility() used to import it (a
+# SEAMS module) first, so every process installed the server patches.
+API_SERVER_MODULE = "vllm.entrypoints.launchers.app"
+# The seams of the API-server process: checked, imported and patched there only.
+SERVER_MODULE_PREFIXES = ("vllm.entrypoints.", "vllm.v1.engine.async_llm")
+
+
+class IncompatibleVllmError(RuntimeError):
+    """The installed vLLM does not match what obcache-vllm was built and tested against."""
+
+
+def _resolve(module: str, qualname: str):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def is_server_module(module: str) -> bool:
+    """A module of the OpenAI API server (front-end only: never imported by EngineCore/workers
+    on our behalf)."""
+    return module.startswith(SERVER_MODULE_PREFIXES)
+
+
+def check_compatibility(include_server: bool = True) -> None:
+    """Raise :class:`IncompatibleVllmError` unless every seam is exactly as expected.
+
+    ``include_server=False`` skips the API server's seams (:func:`is_server_module`) without
+    importing their modules: the check of a process that does not serve the OpenAI API.
+    """
+    import vllm
+
+    if vllm.__version__ not in SUPPORTED_VLLM:
+        raise IncompatibleVllmError(
+            f"obcache-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}; found {vllm.__version__}"
+        )
+    problems = []
+    for module, qualname, params in SEAMS:
+        if not include_server and is_server_module(module):
+            continue
+        try:
+            target = _resolve(module, qualname)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{qualname}: missing ({exc})")
+            continue
+        names = tuple(inspect.signature(target).parameters)
+        if names[: len(params)] != params:
+            problems.append(f"{module}.{qualname}: parameters {names}, expected {params}")
+    for module, name in ATTRIBUTES:
+        if not include_server and is_server_module(module):
+            continue
+        try:
+            _resolve(module, name)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{name}: missing ({exc})")
+    for module, name, attrs in STATE:
+        if not include_server and is_server_module(module):
+            continue
+        try:
+            cls = _resolve(module, name)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{name}: missing ({exc})")
+            continue
+        # dataclass fields, msgspec struct fields, or assignments in __init__'s source
+        fields = getattr(cls, "__dataclass_fields__", None) or getattr(
+            cls, "__struct_fields__", None
+        )
+        source = "" if fields is not None else inspect.getsource(cls.__init__)
+        for attr in attrs:
+            if fields is not None and attr in fields:
+                continue
+            if f"self.{attr} =" in source or f"self.{attr}:" in source:
+                continue
+            if isinstance(getattr(cls, attr, None), property):
+                continue
+            problems.append(f"{module}.{name}.{attr}: missing")
+    if problems:
+        raise IncompatibleVllmError("vLLM internals changed:\n  " + "\n  ".join(problems))
