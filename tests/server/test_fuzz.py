@@ -92,6 +92,7 @@ PLAUSIBLE = {
     "kv_decode": st.one_of(st.booleans(), st.sampled_from(["true", "False"])),
     "kv_compress_at": st.integers(120, 350),  # long prompt only (360 tokens)
     "kv_per_head": st.booleans(),
+    "kv_prefill_evict": st.booleans(),
 }
 
 
@@ -136,7 +137,7 @@ def kv_fields(draw, long: bool, plausible: bool) -> list[tuple[str, str, object]
 # Valid whatever else a plausible case holds (kv_compress_at depends on the prompt: not here).
 PLAUSIBLE_VALUE = {"kv_budget": 64, "kv_scorer": "attn", "kv_pipeline": "tova", "kv_window": 8,
                    "kv_recent": 4, "kv_sinks": 2, "kv_decode": False,
-                   "kv_per_head": True}  # fmt: skip
+                   "kv_per_head": True, "kv_prefill_evict": False}  # fmt: skip
 DUPLICABLE = sorted(PLAUSIBLE_VALUE)
 
 GENERIC = {

@@ -244,8 +244,12 @@ def test_prometheus_loaded_the_rules_and_sees_the_server(prometheus, smoke: dict
     rules = {r["name"]: r for g in groups for r in g["rules"]}
     assert set(rules) == {a for a, _, _ in _alert_signals()}
     assert all(r["health"] == "ok" for r in rules.values()), rules
-    # A healthy short run fires nothing.
-    assert all(r["state"] == "inactive" for r in rules.values()), rules
+    # A short run fires nothing: every rule but the failure alert waits 10 minutes ("for"), so
+    # at most "pending" (the smoke run's rejected share, or a slow CI machine's TTFT, exceed
+    # their thresholds for a moment); no fault was injected, so the failure alert is inactive.
+    states = {name: r["state"] for name, r in rules.items()}
+    assert all(s in ("inactive", "pending") for s in states.values()), states
+    assert states["ObcacheEvictionFailures"] == "inactive", states
     targets = prom.api("targets")["data"]["activeTargets"]
     assert [(t["labels"]["job"], t["health"]) for t in targets] == [(JOB, "up")]
     # The template variables resolve to this server.

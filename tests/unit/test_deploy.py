@@ -106,7 +106,16 @@ def test_overlay_renders_what_an_operator_needs(rendered) -> None:
     limits = c["resources"].get("limits", {})
     if overlay == "cuda":
         assert c["image"] == "obcache-vllm-cuda:0.1.0" and limits["nvidia.com/gpu"] == "1"
-        assert "not served on GPU" in dep["metadata"]["annotations"]["obcache-vllm/kv-budgets"]
+        assert "NOT yet run on a GPU" in dep["metadata"]["annotations"]["obcache-vllm/kv-budgets"]
+        # The settings budgets on CUDA need (support.py refuses them otherwise).
+        args = c["args"]
+        for flag, value in (("--attention-backend", "FLASH_ATTN"), ("--dtype", "bfloat16"),
+                            ("--block-size", "16")):
+            assert args[args.index(flag) + 1] == value
+        assert "--no-async-scheduling" in args
+        assert json.loads(args[args.index("--compilation-config") + 1]) == {
+            "cudagraph_mode": "PIECEWISE"}
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     else:
         assert c["image"] == "obcache-vllm:0.1.0-cpu" and "nvidia.com/gpu" not in limits
         assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
