@@ -2,7 +2,8 @@
 
 :func:`install` runs in every vLLM process (from the ``obcache`` general plugin) and is
 idempotent. It first verifies the vLLM version and the signature of every internal it relies
-on (:data:`~obcache_vllm.vllm_ext.seams.SEAMS`); a mismatch raises :class:`IncompatibleVllmError` and vLLM refuses to start,
+on (:data:`~obcache_vllm.vllm_ext.seams.SEAMS`); a mismatch raises
+:class:`IncompatibleVllmError` and vLLM refuses to start,
 rather than silently compacting KV through a changed interface. Then, process-locally:
 
 * ``SchedulerConfig.get_scheduler_cls``: where vLLM would use its synchronous ``Scheduler``,
