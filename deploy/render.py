@@ -80,8 +80,12 @@ PANELS: list[tuple[str, str, str, str, list[tuple[str, str]]]] = [
      [(f"sum by (finished_reason) (rate(vllm:request_success_total{VSEL}{RATE}))",
        "{{finished_reason}}")]),
     ("vLLM", "Preemptions and prefix-cache hit rate", "short",
-     "Preemptions per second (KV pool exhausted) and the prefix-cache hit ratio.",
+     "Preemptions per second (KV pool exhausted), those of requests that had evicted "
+     "(vllm:obcache_compressed_preemptions_total: recomputed, then evicted again), and the "
+     "prefix-cache hit ratio.",
      [(f"sum(rate(vllm:num_preemptions_total{VSEL}{RATE}))", "preemptions/s"),
+      (f"sum(rate(vllm:obcache_compressed_preemptions_total{OSEL}{RATE}))",
+       "of compressed requests/s"),
       (f"sum(rate(vllm:prefix_cache_hits_total{VSEL}{RATE})) / "
        f"sum(rate(vllm:prefix_cache_queries_total{VSEL}{RATE}))", "prefix-cache hit ratio")]),
     ("obcache", "Evicted tokens by scorer / pipeline", "short",

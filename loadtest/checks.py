@@ -170,4 +170,9 @@ def run_checks(result: RunResult) -> list[Check]:
         pre = scrape.increase(result.before, result.after, scrape.PREEMPTIONS)
         out.append(Check("preemptions", pre >= cfg.min_preemptions,
                          f"vllm:num_preemptions +{pre:g} (want >= {cfg.min_preemptions})"))
+    if cfg.min_compressed_preemptions:
+        pre = scrape.increase(result.before, result.after, scrape.COMPRESSED_PREEMPTIONS)
+        out.append(Check("compressed_preemptions", pre >= cfg.min_compressed_preemptions,
+                         f"{scrape.COMPRESSED_PREEMPTIONS} +{pre:g} "
+                         f"(want >= {cfg.min_compressed_preemptions})"))  # fmt: skip
     return out

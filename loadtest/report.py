@@ -34,6 +34,7 @@ SERVER_COUNTERS = {
     "obcache_eviction_events": scrape.EVICTION_EVENTS,
     "obcache_rejected_requests": scrape.REJECTED,
     "obcache_eviction_failures": scrape.FAILURES,
+    "obcache_compressed_preemptions": scrape.COMPRESSED_PREEMPTIONS,
 }
 
 

@@ -144,6 +144,8 @@ class Checks(_Frozen):
     obcache_counters: bool = True  # usage.obcache sums vs the metric increases (see checks.py)
     server_counts: bool = True  # the client's counts vs the server's request/token counters
     min_preemptions: int = Field(default=0, ge=0)
+    # Preemptions of requests that had already evicted (their KV recomputed, evicted again).
+    min_compressed_preemptions: int = Field(default=0, ge=0)
 
 
 class Scenario(_Frozen):

@@ -28,6 +28,7 @@ FREED_BLOCKS = "vllm:obcache_freed_blocks_total"
 EVICTION_EVENTS = "vllm:obcache_eviction_events_total"
 REJECTED = "vllm:obcache_rejected_requests_total"
 FAILURES = "vllm:obcache_eviction_failures_total"
+COMPRESSED_PREEMPTIONS = "vllm:obcache_compressed_preemptions_total"
 
 COUNTERS = (
     PREEMPTIONS,
@@ -39,6 +40,7 @@ COUNTERS = (
     EVICTION_EVENTS,
     REJECTED,
     FAILURES,
+    COMPRESSED_PREEMPTIONS,
 )
 
 LabelKey = tuple[tuple[str, str], ...]

@@ -82,6 +82,13 @@ EVICTION_FAILURES = MetricSpec(
     ("stage", "reason"),
 )
 
+COMPRESSED_PREEMPTIONS = MetricSpec(
+    "vllm:obcache_compressed_preemptions",
+    "counter",
+    "Budgeted requests preempted after an eviction: vLLM frees their blocks and recomputes "
+    "their KV from the tokens, and the budget evicts again.",
+)
+
 METRICS: tuple[MetricSpec, ...] = (
     EVICTED_TOKENS,
     FREED_BLOCKS,
@@ -91,4 +98,5 @@ METRICS: tuple[MetricSpec, ...] = (
     KEPT_RATIO,
     REJECTED_REQUESTS,
     EVICTION_FAILURES,
+    COMPRESSED_PREEMPTIONS,
 )

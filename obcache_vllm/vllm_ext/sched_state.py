@@ -91,3 +91,5 @@ class SchedulerEvictionTotals:
     failures: dict[tuple[str, str], int] = field(default_factory=dict)
     # Requests finished with an error because their cache was torn.
     failed_requests: int = 0
+    # Preemptions of requests that had evicted (vllm:obcache_compressed_preemptions_total).
+    compressed_preemptions: int = 0

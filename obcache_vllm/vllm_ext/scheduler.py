@@ -339,6 +339,7 @@ class OBCacheScheduler(Scheduler):
                 {
                     "by_option": [[s, p, *v] for (s, p), v in self.obcache_by_option.items()],
                     "failures": [[s, r, n] for (s, r), n in self.obcache_totals.failures.items()],
+                    "compressed_preemptions": self.obcache_totals.compressed_preemptions,
                     "seconds": seconds,
                     "finished": finished,
                 },
@@ -349,6 +350,12 @@ class OBCacheScheduler(Scheduler):
         super()._preempt_request(request, *args, **kwargs)
         state = self.obcache_states.get(request.request_id)
         if state is not None:
+            if state.dead > 0 or state.compressed:
+                # Its KV is gone; recomputed from the tokens, the budget evicts it again.
+                self.obcache_totals.compressed_preemptions += 1
+                logger.info("obcache: compressed request %s preempted (%d evictions so far): "
+                            "its KV is recomputed and evicted again", request.request_id,
+                            state.evictions)
             state.dead = 0
             state.compressed = False
             state.kept_prompt = None

@@ -81,6 +81,8 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         self.obcache_kept_ratio = made[metrics.KEPT_RATIO.name]
         self.obcache_rejected = made[metrics.REJECTED_REQUESTS.name]
         self.obcache_failures = made[metrics.EVICTION_FAILURES.name]
+        self.obcache_preempted = made[metrics.COMPRESSED_PREEMPTIONS.name]
+        self._obcache_preempted_seen: dict[int, int] = {}
         # Last cumulative totals seen per engine and (scorer, pipeline).
         self._obcache_seen: dict[tuple[int, str, str], tuple[int, int, int]] = {}
         self._obcache_failures_seen: dict[tuple[int, str, str], int] = {}
@@ -110,6 +112,10 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
             self._obcache_failures_seen[key] = count
             if count > seen:
                 self.obcache_failures.labels(stage=stage, reason=reason).inc(count - seen)
+        preempted = payload.get("compressed_preemptions", 0)
+        if preempted > self._obcache_preempted_seen.get(engine_idx, 0):
+            self.obcache_preempted.inc(preempted - self._obcache_preempted_seen.get(engine_idx, 0))
+            self._obcache_preempted_seen[engine_idx] = preempted
         for seconds in payload.get("seconds", ()):
             self.obcache_seconds.observe(seconds)
         for resident, kept_prompt, prompt_len in payload.get("finished", ()):

@@ -275,8 +275,10 @@ def test_preemption_after_eviction_recomputes_and_returns_every_block(driver, pr
     request = sched.requests[rid]
     assert sched.obcache_states[rid].dead > 0
     sched.running.remove(request)
+    before = sched.obcache_totals.compressed_preemptions
     sched._preempt_request(request, time.monotonic())  # what vLLM does under memory pressure
     assert sched.obcache_states[rid].dead == 0
+    assert sched.obcache_totals.compressed_preemptions == before + 1
     out = driver.run()
     assert len(out[rid]) == 12
     record = sched.obcache_finished[-1]

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SHORT = ("requests=24",)
+# 24 requests rarely preempt a request that has already evicted (the long run: 3 of 409
+# preemptions); the engine test preempts one directly (test_prefill_eviction.py).
+SHORT = ("requests=24", "checks.min_compressed_preemptions=0")
 
 pytestmark = pytest.mark.slow
 
