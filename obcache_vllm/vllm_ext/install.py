@@ -98,6 +98,23 @@ def install_api_server() -> None:
     patch_method(async_llm, "load_stat_logger_plugin_factories", stat_logger_factories)
 
 
+def _share_vllm_logging() -> None:
+    """Log ``obcache_vllm.*`` through vLLM's handlers, at vLLM's level (idempotent).
+
+    vLLM configures only its own ``vllm`` logger; without this our records reach Python's
+    last-resort handler (warnings only, no timestamp or process prefix), so the INFO lines
+    (e.g. a compressed request preempted) were lost and the fault warnings looked unlike the
+    rest of the server's log. With ``VLLM_CONFIGURE_LOGGING=0`` vLLM's logger has no handler
+    and nothing changes. Records still propagate (pytest's ``caplog`` sees them).
+    """
+    ours, theirs = logging.getLogger("obcache_vllm"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+
+
 def install() -> bool:
     """Check compatibility, then apply every patch (idempotent, process-local).
 
@@ -106,6 +123,7 @@ def install() -> bool:
     the server's modules.
     """
     serving = API_SERVER_MODULE in sys.modules
+    _share_vllm_logging()
     check_compatibility(include_server=serving)
     from obcache_vllm.vllm_ext.stats import install_scheduler_stats_field
 

@@ -12,6 +12,7 @@ tests/engine/test_faults.py; concurrent HTTP arrivals do not make reproducible b
 from __future__ import annotations
 
 import concurrent.futures as futures
+import re
 
 import pytest
 from serverproc import MODEL_NAME, Server
@@ -63,3 +64,12 @@ def test_fault_degrades_one_request_and_neighbours_are_served(
         assert reply["error"]["code"] == 500
     assert _failures(server, stage, "injected") == before + 1
     assert _completion(server, kv_budget=64)[0] == 200  # still serving budgets
+    # One warning line per fault, in vLLM's log format (level, time, file:line), not Python's
+    # bare last-resort output: obcache_vllm logs through vLLM's handlers (install.py).
+    lines = [line for line in server.log.read_text(errors="replace").splitlines()
+             if f"(stage={stage} reason=injected)" in line]
+    vllm_format = re.compile(r"WARNING \d\d-\d\d [\d:]+ \[\w+\.py:\d+\] obcache: eviction fault "
+                             r"for request cmpl-")
+    assert any(vllm_format.search(line) for line in lines), lines
+    if status == 200:
+        assert any(reply["id"] in line for line in lines), (reply["id"], lines)
