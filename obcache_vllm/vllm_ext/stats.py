@@ -82,10 +82,8 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         self.obcache_rejected = made[metrics.REJECTED_REQUESTS.name]
         self.obcache_failures = made[metrics.EVICTION_FAILURES.name]
         self.obcache_preempted = made[metrics.COMPRESSED_PREEMPTIONS.name]
-        self._obcache_preempted_seen: dict[int, int] = {}
-        # Last cumulative totals seen per engine and (scorer, pipeline).
-        self._obcache_seen: dict[tuple[int, str, str], tuple[int, int, int]] = {}
-        self._obcache_failures_seen: dict[tuple[int, str, str], int] = {}
+        # The scheduler reports cumulative totals; the last one seen per (engine, metric, labels).
+        self._obcache_seen: dict[tuple, int] = {}
         _live_rejections = self.obcache_rejected
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
@@ -96,26 +94,22 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         if payload:
             self._record_obcache(payload, engine_idx or 0)
 
+    def _advance(self, engine_idx: int, counter, total: int, **labels: str) -> None:
+        """Raise ``counter{labels}`` by what the cumulative ``total`` gained since last seen."""
+        key = (engine_idx, id(counter), *labels.values())
+        seen = self._obcache_seen.get(key, 0)
+        self._obcache_seen[key] = total
+        if total > seen:
+            (counter.labels(**labels) if labels else counter).inc(total - seen)
+
     def _record_obcache(self, payload: dict, engine_idx: int) -> None:
         for scorer, pipeline, tokens, blocks, events in payload.get("by_option", ()):
-            key = (engine_idx, scorer, pipeline)
-            seen = self._obcache_seen.get(key, (0, 0, 0))
-            now = (tokens, blocks, events)
-            self._obcache_seen[key] = now
-            counters = (self.obcache_evicted, self.obcache_freed, self.obcache_events)
-            for counter, new, old in zip(counters, now, seen, strict=True):
-                if new > old:
-                    counter.labels(scorer=scorer, pipeline=pipeline).inc(new - old)
+            for counter, total in ((self.obcache_evicted, tokens), (self.obcache_freed, blocks),
+                                   (self.obcache_events, events)):  # fmt: skip
+                self._advance(engine_idx, counter, total, scorer=scorer, pipeline=pipeline)
         for stage, reason, count in payload.get("failures", ()):
-            key = (engine_idx, stage, reason)
-            seen = self._obcache_failures_seen.get(key, 0)
-            self._obcache_failures_seen[key] = count
-            if count > seen:
-                self.obcache_failures.labels(stage=stage, reason=reason).inc(count - seen)
-        preempted = payload.get("compressed_preemptions", 0)
-        if preempted > self._obcache_preempted_seen.get(engine_idx, 0):
-            self.obcache_preempted.inc(preempted - self._obcache_preempted_seen.get(engine_idx, 0))
-            self._obcache_preempted_seen[engine_idx] = preempted
+            self._advance(engine_idx, self.obcache_failures, count, stage=stage, reason=reason)
+        self._advance(engine_idx, self.obcache_preempted, payload.get("compressed_preemptions", 0))
         for seconds in payload.get("seconds", ()):
             self.obcache_seconds.observe(seconds)
         for resident, kept_prompt, prompt_len in payload.get("finished", ()):

@@ -1,0 +1,50 @@
+"""The stat logger turns the scheduler's cumulative totals into counter increments.
+
+The scheduler reports running totals every step (per engine; labelled by scorer/pipeline or
+stage/reason); the logger must add only what each total gained since it was last seen, per
+engine and label set, so a total repeated over many steps is counted once.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from obcache_vllm.vllm_ext.stats import OBCachePrometheusStatLogger
+
+
+def _logger(registry: CollectorRegistry) -> OBCachePrometheusStatLogger:
+    # Only the obcache half: vLLM's own __init__ needs a whole VllmConfig.
+    log = OBCachePrometheusStatLogger.__new__(OBCachePrometheusStatLogger)
+    option, fault = ["scorer", "pipeline"], ["stage", "reason"]
+    log.obcache_evicted = Counter("evicted", "", option, registry=registry)
+    log.obcache_freed = Counter("freed", "", option, registry=registry)
+    log.obcache_events = Counter("events", "", option, registry=registry)
+    log.obcache_failures = Counter("failures", "", fault, registry=registry)
+    log.obcache_preempted = Counter("preempted", "", registry=registry)
+    for name in ("obcache_seconds", "obcache_resident", "obcache_kept_ratio"):
+        setattr(log, name, Histogram(name, "", registry=registry))
+    log._obcache_seen = {}
+    return log
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(f"{name}_total", labels) or 0.0
+
+
+def test_cumulative_totals_are_counted_once_per_engine_and_label_set() -> None:
+    registry = CollectorRegistry()
+    log = _logger(registry)
+    first = {"by_option": [["obcache_key", "tova", 10, 2, 1]],
+             "failures": [["score", "injected", 1]], "compressed_preemptions": 1}
+    later = {"by_option": [["obcache_key", "tova", 30, 5, 2], ["attn", "h2o", 4, 1, 1]],
+             "failures": [["score", "injected", 1]], "compressed_preemptions": 3}
+    for payload in (first, first, later, later):  # totals repeat across steps
+        log._record_obcache(payload, engine_idx=0)
+    log._record_obcache(first, engine_idx=1)  # another engine's totals are its own
+    key = {"scorer": "obcache_key", "pipeline": "tova"}
+    assert _value(registry, "evicted", **key) == 30 + 10
+    assert _value(registry, "freed", **key) == 5 + 2
+    assert _value(registry, "events", **key) == 2 + 1
+    assert _value(registry, "evicted", scorer="attn", pipeline="h2o") == 4
+    assert _value(registry, "failures", stage="score", reason="injected") == 1 + 1
+    assert _value(registry, "preempted") == 3 + 1
