@@ -109,7 +109,6 @@ async def send(
                 body = await response.json()
                 outcome.out.latency = time.perf_counter() - st
                 outcome.out.ttft = outcome.out.latency  # not observable: excluded from TTFT
-                outcome.out.generated_text = _text(body.get("choices") or [{}])
                 _take_usage(outcome, body.get("usage"))
                 outcome.out.success = True
                 outcome.category = "2xx"
@@ -130,7 +129,6 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, st: f
     out, plan = outcome.out, outcome.plan
     handler = StreamedResponseHandler()
     recent = st
-    text: list[str] = []
     async for chunk_bytes in response.content.iter_any():
         chunk_bytes = chunk_bytes.strip()
         if not chunk_bytes:
@@ -149,7 +147,7 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, st: f
                 outcome.category = _category(outcome.status)
                 outcome.error = str(err.get("message", err))[:500]
                 return
-            if choices := event.get("choices"):
+            if event.get("choices"):
                 now = time.perf_counter()
                 if outcome.chunks == 0:
                     out.ttft = now - st
@@ -157,7 +155,6 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, st: f
                     out.itl.append(now - recent)
                 recent = now
                 outcome.chunks += 1
-                text.append(_text(choices))
                 if plan.disconnect_after is not None and outcome.chunks >= plan.disconnect_after:
                     response.close()  # drop the connection: the server aborts the request
                     out.latency = recent - st
@@ -165,7 +162,6 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, st: f
                     return
             elif usage := event.get("usage"):
                 _take_usage(outcome, usage)
-    out.generated_text = "".join(text)
     out.latency = recent - st
     if outcome.chunks:
         out.success = True
@@ -173,13 +169,6 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, st: f
     else:
         outcome.category = "error"
         outcome.error = "stream ended without a chunk with choices"
-
-
-def _text(choices: list[dict]) -> str:
-    first = choices[0]
-    if "text" in first:
-        return first.get("text") or ""
-    return ((first.get("delta") or first.get("message") or {}).get("content")) or ""
 
 
 def _take_usage(outcome: Outcome, usage: dict | None) -> None:

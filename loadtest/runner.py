@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -54,7 +54,6 @@ class RunResult:
     idle: bool
     idle_wait_s: float
     healthy: bool
-    notes: list[str] = field(default_factory=list)
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> dict | None:
@@ -75,10 +74,9 @@ async def _healthy(session: aiohttp.ClientSession, base_url: str) -> bool:
 
 async def _wait_idle(
     session: aiohttp.ClientSession, base_url: str, timeout_s: float, every_s: float
-) -> tuple[bool, float, scrape.Snapshot | None]:
+) -> tuple[bool, float]:
     """Poll /metrics until no KV block is used and nothing runs or waits."""
     start = time.perf_counter()
-    snap = None
     while True:
         try:
             snap = await scrape.scrape(session, base_url)
@@ -87,11 +85,11 @@ async def _wait_idle(
                 and snap.value(scrape.RUNNING) == 0
                 and snap.value(scrape.WAITING) == 0
             ):
-                return True, time.perf_counter() - start, snap
+                return True, time.perf_counter() - start
         except (aiohttp.ClientError, OSError, ValueError):
             pass
         if time.perf_counter() - start > timeout_s:
-            return False, time.perf_counter() - start, snap
+            return False, time.perf_counter() - start
         await asyncio.sleep(every_s)
 
 
@@ -194,7 +192,7 @@ async def run(
         duration = time.perf_counter() - start
         bar.close()
 
-        idle, idle_wait, _ = await _wait_idle(
+        idle, idle_wait = await _wait_idle(
             session, base_url, scenario.checks.idle_timeout_s, scenario.scrape_interval_s
         )
         await asyncio.sleep(max(1.0, scenario.scrape_interval_s))  # one more stats interval

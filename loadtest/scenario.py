@@ -101,10 +101,6 @@ class Kind(_Frozen):
             raise ValueError(f"kind {self.name!r}: {clash[0]!r} is set by the scenario, not a kind")
         return self
 
-    @property
-    def budgeted(self) -> bool:
-        return self.body.get("kv_budget") is not None
-
 
 class Disconnect(_Frozen):
     """Close the connection of this fraction of the streamed requests after k chunks."""
@@ -242,11 +238,6 @@ class RequestPlan:
     disconnect_after: int | None  # close after this many chunks (streamed requests only)
     body: dict[str, Any] = field(default_factory=dict)  # kind body + temperature/seed/ignore_eos
     expect_status: int = 200
-
-    @property
-    def budgeted(self) -> bool:
-        """The request itself asks for a budget (a server-wide default is not visible here)."""
-        return self.body.get("kv_budget") is not None
 
 
 def make_plan(scenario: Scenario) -> list[RequestPlan]:

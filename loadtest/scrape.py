@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from obcache_vllm import metrics as M
+
 KV_USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -23,25 +25,13 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 REQUEST_SUCCESS = "vllm:request_success_total"  # label finished_reason (abort included)
-EVICTED_TOKENS = "vllm:obcache_evicted_tokens_total"
-FREED_BLOCKS = "vllm:obcache_freed_blocks_total"
-EVICTION_EVENTS = "vllm:obcache_eviction_events_total"
-REJECTED = "vllm:obcache_rejected_requests_total"
-FAILURES = "vllm:obcache_eviction_failures_total"
-COMPRESSED_PREEMPTIONS = "vllm:obcache_compressed_preemptions_total"
-
-COUNTERS = (
-    PREEMPTIONS,
-    PROMPT_TOKENS,
-    GENERATION_TOKENS,
-    REQUEST_SUCCESS,
-    EVICTED_TOKENS,
-    FREED_BLOCKS,
-    EVICTION_EVENTS,
-    REJECTED,
-    FAILURES,
-    COMPRESSED_PREEMPTIONS,
-)
+# Ours, named by their single definition (a renamed metric must not silently read 0 here).
+EVICTED_TOKENS = M.EVICTED_TOKENS.exposed
+FREED_BLOCKS = M.FREED_BLOCKS.exposed
+EVICTION_EVENTS = M.EVICTION_EVENTS.exposed
+REJECTED = M.REJECTED_REQUESTS.exposed
+FAILURES = M.EVICTION_FAILURES.exposed
+COMPRESSED_PREEMPTIONS = M.COMPRESSED_PREEMPTIONS.exposed
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -65,6 +55,10 @@ class Snapshot:
         """Sum of ``name``'s samples whose labels include ``labels`` (0 when there is none)."""
         want = set(labels.items())
         return sum(v for (n, key), v in self.samples.items() if n == name and want <= set(key))
+
+    def names(self) -> set[str]:
+        """Every sample name of the scrape (``_total``, ``_bucket``... included)."""
+        return {n for n, _ in self.samples}
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
         """``name`` summed per value of ``label``."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.launch import free_port, healthy, stop
+from loadtest.scrape import Snapshot
 from obcache_vllm.plugin import TRACE_ENV
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -71,49 +71,12 @@ class Server:
         except json.JSONDecodeError:  # e.g. an event stream where an error was expected
             return status, {"raw": raw.decode(errors="replace")}
 
-    def metrics(self) -> Metrics:
+    def metrics(self) -> Snapshot:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:
-            return Metrics.parse(resp.read().decode())
+            return Snapshot.parse(resp.read().decode(), time.time())
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-@dataclass(frozen=True)
-class Metrics:
-    """Prometheus text samples: (name, sorted labels) -> value, plus HELP lines by name."""
-
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
-    help: dict[str, str]
-
-    @classmethod
-    def parse(cls, text: str) -> Metrics:
-        samples, helps = {}, {}
-        for line in text.splitlines():
-            if line.startswith("# HELP "):
-                name, _, doc = line[len("# HELP ") :].partition(" ")
-                helps[name] = doc
-                continue
-            if not line or line.startswith("#"):
-                continue
-            match = _SAMPLE.match(line)
-            if match:
-                name, labels, value = match.groups()
-                key = tuple(sorted(_LABEL.findall(labels or "")))
-                samples[(name, key)] = float(value)
-        return cls(samples, helps)
-
-    def value(self, name: str, **labels: str) -> float:
-        """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
-        want = set(labels.items())
-        return sum(v for (n, key), v in self.samples.items() if n == name and want <= set(key))
-
-    def names(self) -> set[str]:
-        return {n for n, _ in self.samples}
 
 
 @contextmanager

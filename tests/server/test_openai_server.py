@@ -11,8 +11,9 @@ import math
 import time
 
 import pytest
-from serverproc import MODEL_NAME, POOL_BLOCKS, Metrics, Server
+from serverproc import MODEL_NAME, POOL_BLOCKS, Server
 
+from loadtest.scrape import Snapshot as Metrics
 from obcache_vllm import metrics as M
 from obcache_vllm.textgen import haystack
 
