@@ -3,7 +3,7 @@
 Usage: ``python scripts/gpu_check_job.py JOB.json OUT.json`` (the environment, e.g.
 ``VLLM_PLUGINS=`` for stock vLLM, is set by gpu_check.py). JOB: ``{"engine": {LLM kwargs},
 "batches": [{"name": ..., "requests": [{"id", "prompt", "max_tokens", "ignore_eos",
-"extra_args"}], "expect_error": bool}]}``. Each batch is submitted at once and stepped to the
+"extra_args"}]}]}``. Each batch is submitted at once and stepped to the
 end. With the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU) every
 step also records the scheduler's view: running requests, free blocks, blocks each request
 holds. OUT: ``{"classes": {...}, "pool_blocks": n, "batches": {name: {"outputs": {id:

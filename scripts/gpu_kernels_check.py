@@ -80,7 +80,7 @@ def pivot_speed(rows: list[Row]) -> list[Row]:
             continue
         last = out[-1]
         name = r.metric.removesuffix(" ms").removeprefix("obcache_")
-        part = f"{name} {r.value:.3g} ms ({r.note.split('%')[0]}%)"
+        part = f"{name} {r.value:.3g} ms ({100 * r.value / last.value:.1f}%)"
         note = f"{last.note}, {part}" if last.note else part
         out[-1] = Row(last.check, last.case, last.metric, last.value, note=note)
     return out

@@ -79,6 +79,13 @@ class Server:
         return self.log.read_text(errors="replace")[-chars:]
 
 
+def production_env() -> dict[str, str]:
+    """This process's environment without what the in-process test engine set: a server (or
+    a load run that launches one) gets vLLM's production topology."""
+    drop = ("VLLM_ENABLE_V1_MULTIPROCESSING", "OBCACHE_VLLM_RECORD_KEEP")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 @contextmanager
 def running_server(
     workdir: Path,
@@ -90,10 +97,7 @@ def running_server(
     import pytest
 
     port = free_port()
-    env = dict(os.environ)
-    # The production topology, whatever an in-process test engine asked for.
-    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OBCACHE_VLLM_RECORD_KEEP"):
-        env.pop(key, None)
+    env = production_env()
     env[TRACE_ENV] = str(workdir / "trace.txt")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Test servers honour vllm_xargs {"obcache_fault": ...} (obcache_vllm/vllm_ext/faults.py).

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from serverproc import MODEL_NAME, Server, free_port
+from serverproc import MODEL_NAME, Server, free_port, production_env
 
 from obcache_vllm import metrics as M
 
@@ -131,8 +130,7 @@ def prometheus(server: Server, tmp_path_factory: pytest.TempPathFactory):
 def smoke(server: Server, prometheus, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """``python -m loadtest run smoke.yaml`` against the session server (Prometheus watching)."""
     out = tmp_path_factory.mktemp("smoke")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OBCACHE_VLLM_RECORD_KEEP")}
+    env = production_env()
     t0 = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest", "run", "loadtest/scenarios/smoke.yaml",

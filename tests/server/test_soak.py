@@ -14,12 +14,12 @@ a torn cache is a 500 for that request alone.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from serverproc import production_env
 
 REPO = Path(__file__).resolve().parents[2]
 # 24 requests rarely preempt a request that has already evicted (the long run: 3 of 409
@@ -30,8 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_short_soak_passes_every_end_of_run_check(model_path: Path, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OBCACHE_VLLM_RECORD_KEEP")}
+    env = production_env()
     cmd = [sys.executable, "-m", "loadtest", "run", "loadtest/scenarios/soak.yaml", "--launch",
            "--out", str(tmp_path), "--no-progress"]
     for item in SHORT:
