@@ -287,11 +287,13 @@ def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
                 running = r.state.running[layer] = RunningScores(hkv, mode=r.state.decode_mode)
             running.add(step[i])
             scores.append(running.scores)
+        if first.order is None:  # only folding stored decode queries into the running scores
+            return
         scores = torch.stack(scores)  # [R, Hkv, N]
+    elif first.order is None:
+        return
     else:
         scores = keys.new_zeros((num_rows, hkv, n))
-    if first.order is None:  # only folding stored decode queries into the running scores
-        return
     keep = pipeline.select_batch(scores, keep=first.order.kept, recent=opts.recent,
                                  sinks=opts.sinks)  # fmt: skip
     index_kd = keep.unsqueeze(-1).expand(-1, -1, -1, d)  # [R, Hkv, K, D]

@@ -353,6 +353,21 @@ def is_server_module(module: str) -> bool:
     return module.startswith(SERVER_MODULE_PREFIXES)
 
 
+def signature_problems(seams) -> list[str]:
+    """One line per (module, qualname, leading parameters) of ``seams`` that is missing or
+    whose signature no longer starts with those parameters."""
+    problems = []
+    for module, qualname, params in seams:
+        try:
+            names = tuple(inspect.signature(_resolve(module, qualname)).parameters)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{qualname}: missing ({exc})")
+            continue
+        if names[: len(params)] != params:
+            problems.append(f"{module}.{qualname}: parameters {names}, expected {params}")
+    return problems
+
+
 def check_compatibility(include_server: bool = True) -> None:
     """Raise :class:`IncompatibleVllmError` unless every seam is exactly as expected.
 
@@ -365,18 +380,8 @@ def check_compatibility(include_server: bool = True) -> None:
         raise IncompatibleVllmError(
             f"obcache-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}; found {vllm.__version__}"
         )
-    problems = []
-    for module, qualname, params in SEAMS:
-        if not include_server and is_server_module(module):
-            continue
-        try:
-            target = _resolve(module, qualname)
-        except (ImportError, AttributeError) as exc:
-            problems.append(f"{module}.{qualname}: missing ({exc})")
-            continue
-        names = tuple(inspect.signature(target).parameters)
-        if names[: len(params)] != params:
-            problems.append(f"{module}.{qualname}: parameters {names}, expected {params}")
+    seams = [s for s in SEAMS if include_server or not is_server_module(s[0])]
+    problems = signature_problems(seams)
     for module, name in ATTRIBUTES:
         if not include_server and is_server_module(module):
             continue

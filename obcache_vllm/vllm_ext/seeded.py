@@ -23,7 +23,7 @@ untouched)::
 
 So a seeded request consumes its generator once per token it keeps, whatever the chunking and
 the batch around it: the same stream as an unchunked run. Every vLLM name used here is pinned
-in :mod:`obcache_vllm.vllm_ext.install` (``SEAMS``, ``STATE``).
+in :mod:`obcache_vllm.vllm_ext.seams` (``SEAMS``, ``STATE``).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from obcache_vllm.vllm_ext.backends.flash_attn_layout import shift_rows_in_place
 from obcache_vllm.vllm_ext.core import (
     BackendAdapter,
     EvictingBuilderMixin,
@@ -132,14 +133,13 @@ def shift_block_table(
     table: torch.Tensor, seq_lens: torch.Tensor, dead: tuple[int, ...], block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New (block table [R, M], seq_lens [R]) in which row r skips its first ``dead[r]`` blocks
-    (null block 0 fills the freed columns at the end)."""
-    num_reqs, width = table.shape
-    dead_t = torch.zeros(num_reqs, dtype=torch.int64)
+    (null block 0 fills the freed columns at the end): FLASH_ATTN's in-place shift on copies,
+    since the CPU backend's metadata is rebuilt every step and nothing replays the buffers."""
+    table, seq_lens = table.clone(), seq_lens.clone()
+    dead_t = torch.zeros(table.shape[0], dtype=torch.int64)
     dead_t[: len(dead)] = torch.tensor(dead, dtype=torch.int64)
-    cols = torch.arange(width).unsqueeze(0) + dead_t.unsqueeze(1)  # [R, M]
-    shifted = torch.gather(table, 1, cols.clamp(max=width - 1))
-    shifted = shifted.masked_fill(cols >= width, 0)
-    return shifted, seq_lens - (dead_t * block_size).to(seq_lens.dtype)
+    shift_rows_in_place(table, seq_lens, dead_t, block_size)
+    return table, seq_lens
 
 
 class CpuAdapter(BackendAdapter):

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import torch
 from vllm.v1.attention.backends.flash_attn import (
@@ -210,17 +209,9 @@ class OBCacheGPUModelRunner(EvictingRunnerMixin, GPUModelRunner):
 def check_cuda_seams() -> None:
     """Raise ``IncompatibleVllmError`` unless every internal in :data:`CUDA_SEAMS` is as
     pinned and cascade attention is still gone from the FA builder."""
-    from obcache_vllm.vllm_ext.install import IncompatibleVllmError, _resolve
+    from obcache_vllm.vllm_ext.seams import IncompatibleVllmError, signature_problems
 
-    problems = []
-    for module, qualname, params in CUDA_SEAMS:
-        try:
-            names = tuple(inspect.signature(_resolve(module, qualname)).parameters)
-        except (ImportError, AttributeError) as exc:
-            problems.append(f"{module}.{qualname}: missing ({exc})")
-            continue
-        if names[: len(params)] != params:
-            problems.append(f"{module}.{qualname}: parameters {names}, expected {params}")
+    problems = signature_problems(CUDA_SEAMS)
     if hasattr(FlashAttentionMetadataBuilder, "use_cascade_attention"):
         problems.append("FlashAttentionMetadataBuilder.use_cascade_attention is back")
     if problems:
@@ -230,7 +221,7 @@ def check_cuda_seams() -> None:
 def _wrap_make_model_runner(original):
     @functools.wraps(original)
     def _make_model_runner(self):
-        if self.use_v2_model_runner:  # budgets are refused with V2 (install.unsupported_reason)
+        if self.use_v2_model_runner:  # budgets are refused with V2 (support.unsupported_reason)
             return original(self)
         return OBCacheGPUModelRunner(self.vllm_config, self.device)
 
