@@ -18,7 +18,7 @@ import time
 import torch
 
 from obcache_vllm.scoring import HeadGeometry, make_pipeline, make_scorer
-from obcache_vllm.vllm_ext.backends.cpu import CpuKvView, PagedLayout
+from obcache_vllm.vllm_ext.worker.backends.cpu import CpuKvView, PagedLayout
 
 BS, D, HKV, HQ = 32, 64, 3, 9
 

@@ -4,7 +4,7 @@
     obcache-vllm model path             print the default model's path (no conversion)
     obcache-vllm model verify           re-hash the cached model against its manifest
     obcache-vllm serve [VLLM ARGS...]   vLLM's OpenAI-compatible server, plugin loaded
-    obcache-vllm eval run|report|kvpress  accuracy evidence (see obcache_vllm/eval/)
+    obcache-vllm eval run|report|kvpress  accuracy evidence (see obcache_vllm/evidence/eval/)
 
 Import cost: stdlib only; vLLM is imported by ``serve`` after the environment is set.
 """
@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     model_sub.add_parser("path", help="print the default model's path without converting")
     model_sub.add_parser("verify", help="re-hash the cached model against its manifest")
 
-    from obcache_vllm.eval.command import add_eval_parser
+    from obcache_vllm.evidence.eval.command import add_eval_parser
 
     add_eval_parser(sub)
     sub.add_parser(
@@ -160,12 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[:1] == ["serve"]:
             return _serve(argv[1:])
         if argv[:1] == ["ppl"]:
-            from obcache_vllm import perplexity
+            from obcache_vllm.evidence import perplexity
 
             return perplexity.main(argv[1:])
         args = _parser().parse_args(argv)
         if args.command == "eval":
-            from obcache_vllm.eval.command import eval_command
+            from obcache_vllm.evidence.eval.command import eval_command
 
             return eval_command(args)
         return _model_command(args)

@@ -2,7 +2,7 @@
 
 The single definition of every metric (the README table is checked against it by
 ``tests/unit/test_metrics_table.py``). The vLLM adapter that creates and feeds them lives in
-:mod:`obcache_vllm.vllm_ext.stats`. No vLLM import.
+:mod:`obcache_vllm.vllm_ext.frontend.stats`. No vLLM import.
 
 Counters are declared without the ``_total`` suffix, as ``prometheus_client`` expects; the
 exposed sample name is :meth:`MetricSpec.exposed`.

@@ -32,7 +32,7 @@ kv_prefill_evict
                 Default false
 ==============  =========================================================================
 
-Budget rule (see :mod:`obcache_vllm.planning`): eviction frees whole KV blocks only, so the
+Budget rule (see :mod:`obcache_vllm.eviction.planning`): eviction frees whole KV blocks only, so the
 kept count K of a compressed request satisfies ``budget <= K < budget + block_size``.
 
 Every error is a :class:`KvOptionsError` naming the offending wire field; the vLLM edge turns

@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from obcache_vllm.eval.grid import SCORERS, grid
+from obcache_vllm.evidence.eval.grid import SCORERS, grid
 
 RESULTS = Path("results/eval")
 COMMON = dict(lengths=[512], seed=0, chat=True, samples=12)
@@ -71,9 +71,9 @@ def stages() -> dict[str, list]:
 
 
 if __name__ == "__main__":
-    from obcache_vllm.eval.harness import Harness
-    from obcache_vllm.eval.kvpress_bridge import run_kvpress
-    from obcache_vllm.eval.report import write_report
+    from obcache_vllm.evidence.eval.harness import Harness
+    from obcache_vllm.evidence.eval.kvpress_bridge import run_kvpress
+    from obcache_vllm.evidence.eval.report import write_report
 
     plan = stages()
     parser = argparse.ArgumentParser()

@@ -8,7 +8,7 @@ it needs vLLM 0.32.0 for CUDA, this source tree and the converted default model
 
 Settings: bf16, block size 16, FLASH_ATTN, synchronous scheduling (``async_scheduling=False``),
 V1 model runner, PIECEWISE CUDA graphs (attention eager: what budgets need; full graphs are
-refused, see obcache_vllm/vllm_ext/backends/flash_attn.py), a 256-block pool, and
+refused, see obcache_vllm/vllm_ext/worker/backends/flash_attn.py), a 256-block pool, and
 ``VLLM_BATCH_INVARIANT=1`` on both sides so that a request's tokens do not depend on what
 else is in its batch (without it, GPU kernels may legitimately differ in the last bits with
 the batch shape, and "neighbour == stock" would be untestable).

@@ -2,7 +2,7 @@
 
 1. FlashAttention's paged KV layout of vLLM 0.32 on the device: the view's gather/scatter on
    every KV cache layout, and the in-place read shift against a pure-torch paged-attention
-   reference (obcache_vllm.kernel_checks.paged), in fp16 and bf16.
+   reference (obcache_vllm.evidence.kernel_checks.paged), in fp16 and bf16.
 2. The scorers on the device against fp64 on CPU (exactness and kept-set agreement).
 3. The scorers' cost against a same-shape ``scaled_dot_product_attention`` prefill
    (Llama-3.1-8B layer geometry: 32 query heads, 8 KV heads, head dim 128; W = 64).
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the source tree, not installed
 
-from obcache_vllm.kernel_checks import Row, format_table, paged, scorers, worst_by  # noqa: E402
+from obcache_vllm.evidence.kernel_checks import Row, format_table, paged, scorers, worst_by  # noqa: E402
 from obcache_vllm.scoring import HeadGeometry  # noqa: E402
 
 

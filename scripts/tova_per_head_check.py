@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 from vllm import LLM, SamplingParams
 
 from obcache_vllm import model
-from obcache_vllm.eval import harness, tasks
+from obcache_vllm.evidence.eval import harness, tasks
 
 if __name__ == "__main__":
     llm = LLM(

@@ -100,7 +100,7 @@ def running_server(
     env = production_env()
     env[TRACE_ENV] = str(workdir / "trace.txt")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # Test servers honour vllm_xargs {"obcache_fault": ...} (obcache_vllm/vllm_ext/faults.py).
+    # Test servers honour vllm_xargs {"obcache_fault": ...} (obcache_vllm/eviction/faults.py).
     env.setdefault("OBCACHE_VLLM_FAULTS", "1")
     for key, value in (env_overrides or {}).items():
         if value is None:

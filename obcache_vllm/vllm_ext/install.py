@@ -7,15 +7,15 @@ on (:data:`~obcache_vllm.vllm_ext.seams.SEAMS`); a mismatch raises
 rather than silently compacting KV through a changed interface. Then, process-locally:
 
 * ``SchedulerConfig.get_scheduler_cls``: where vLLM would use its synchronous ``Scheduler``,
-  use :class:`~obcache_vllm.vllm_ext.scheduler.OBCacheScheduler` (EngineCore process).
+  use :class:`~obcache_vllm.vllm_ext.engine.scheduler.OBCacheScheduler` (EngineCore process).
 * ``cpu_worker.CPUModelRunner`` ->
-  :class:`~obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUModelRunner` (worker process; the CPU
+  :class:`~obcache_vllm.vllm_ext.worker.backends.cpu.OBCacheCPUModelRunner` (worker process; the CPU
   worker builds its runner by this module-global name).
 * ``AttentionBackendEnum.CPU_ATTN`` ->
-  :class:`~obcache_vllm.vllm_ext.backends.cpu.OBCacheCPUBackend`.
-* On CUDA instead (:func:`~obcache_vllm.vllm_ext.backends.flash_attn.install_cuda`, with its
+  :class:`~obcache_vllm.vllm_ext.worker.backends.cpu.OBCacheCPUBackend`.
+* On CUDA instead (:func:`~obcache_vllm.vllm_ext.worker.backends.flash_attn.install_cuda`, with its
   own pinned seams): ``gpu_worker.Worker._make_model_runner`` builds
-  :class:`~obcache_vllm.vllm_ext.backends.flash_attn.OBCacheGPUModelRunner` on the V1 path,
+  :class:`~obcache_vllm.vllm_ext.worker.backends.flash_attn.OBCacheGPUModelRunner` on the V1 path,
   and ``AttentionBackendEnum.FLASH_ATTN`` -> ``OBCacheFlashAttnBackend``.
 * ``InputProcessor.process_inputs``: kv_* options are validated in the front-end, before the
   request reaches the engine (``VLLMValidationError`` -> HTTP 400), including configurations
@@ -23,12 +23,13 @@ rather than silently compacting KV through a changed interface. Then, process-lo
 * ``SchedulerStats`` gains an ``obcache`` field (every process; see ``stats.py``).
 * vLLM's start-up check of the KV pool against ``max_model_len`` is relaxed as far as
   ``kv_prefill_evict`` makes safe, and requests that can never fit get a 400
-  (:mod:`~obcache_vllm.vllm_ext.capacity`).
+  (:mod:`~obcache_vllm.vllm_ext.frontend.capacity`).
 * In the process that serves the OpenAI API (vLLM's app builder is loaded when the plugin
   starts; decided before anything is imported, so EngineCore and workers never import the
   server's modules on our behalf):
-  :func:`obcache_vllm.vllm_ext.server.install_server` (kv_* request fields and server defaults,
-  ``usage.obcache``, ``GET /v1/obcache/config``) and the obcache Prometheus stat logger.
+  :func:`obcache_vllm.vllm_ext.frontend.server.install_server` (kv_* request fields and
+  server defaults, ``usage.obcache``, ``GET /v1/obcache/config``) and the obcache Prometheus
+  stat logger.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import functools
 import logging
 import sys
 
+from obcache_vllm.vllm_ext.frontend.admission import check_capacity, validate_request
 from obcache_vllm.vllm_ext.patching import patch_method
 from obcache_vllm.vllm_ext.seams import (  # noqa: F401  (re-exported: tests, adapters)
     API_SERVER_MODULE,
@@ -49,7 +51,6 @@ from obcache_vllm.vllm_ext.seams import (  # noqa: F401  (re-exported: tests, ad
     check_compatibility,
     is_server_module,
 )
-from obcache_vllm.vllm_ext.support import check_capacity, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def _wrap_get_scheduler_cls(original):
         from vllm.v1.core.sched.scheduler import Scheduler
 
         if cls is Scheduler:
-            from obcache_vllm.vllm_ext.scheduler import OBCacheScheduler
+            from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
 
             return OBCacheScheduler
         return cls
@@ -91,8 +92,8 @@ def install_api_server() -> None:
     """
     from vllm.v1.engine import async_llm
 
-    from obcache_vllm.vllm_ext.server import install_server
-    from obcache_vllm.vllm_ext.stats import stat_logger_factories
+    from obcache_vllm.vllm_ext.frontend.server import install_server
+    from obcache_vllm.vllm_ext.frontend.stats import stat_logger_factories
 
     install_server()
     patch_method(async_llm, "load_stat_logger_plugin_factories", stat_logger_factories)
@@ -125,10 +126,10 @@ def install() -> bool:
     serving = API_SERVER_MODULE in sys.modules
     _share_vllm_logging()
     check_compatibility(include_server=serving)
-    from obcache_vllm.vllm_ext.stats import install_scheduler_stats_field
+    from obcache_vllm.vllm_ext.wire import install_scheduler_stats_field
 
     install_scheduler_stats_field()
-    from obcache_vllm.vllm_ext.capacity import install_relaxed_pool_check
+    from obcache_vllm.vllm_ext.engine.pool_check import install_relaxed_pool_check
 
     install_relaxed_pool_check()
     if serving:
@@ -138,7 +139,7 @@ def install() -> bool:
 
     patch_method(SchedulerConfig, "get_scheduler_cls", _wrap_get_scheduler_cls)
     patch_method(InputProcessor, "process_inputs", _wrap_process_inputs)
-    from obcache_vllm.vllm_ext.backends import install_platform_backend
+    from obcache_vllm.vllm_ext.worker.backends import install_platform_backend
 
     install_platform_backend()
     return serving

@@ -15,7 +15,7 @@ from helpers import ENGINE_KWARGS, POOL_BLOCKS, Driver, Internals
 # Before any engine exists in this process (vLLM caches its env once an engine is up).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OBCACHE_VLLM_RECORD_KEEP", "1")
-# Requests may ask for a fault in eviction (test_faults.py; obcache_vllm/vllm_ext/faults.py).
+# Requests may ask for a fault in eviction (test_faults.py; obcache_vllm/eviction/faults.py).
 os.environ.setdefault("OBCACHE_VLLM_FAULTS", "1")
 # One core per engine. On this 2-core machine an engine bound to both cores slows to ~1.4 s per
 # decode token as soon as another process runs (every OpenMP barrier waits for a descheduled
@@ -37,7 +37,7 @@ def llm(engine_kwargs: dict) -> Iterator[object]:
     """
     from vllm import LLM
 
-    from obcache_vllm.vllm_ext.forcing import FORCE_TOKENS_FQCN
+    from obcache_vllm.evidence.forcing import FORCE_TOKENS_FQCN
 
     engine = LLM(**engine_kwargs, logits_processors=[FORCE_TOKENS_FQCN])
     yield engine

@@ -12,7 +12,7 @@ import pytest
 from helpers import POOL_BLOCKS
 from texts import haystack
 
-from obcache_vllm.vllm_ext import runner as runner_mod
+from obcache_vllm.vllm_ext.worker import runner as runner_mod
 
 
 def _prompts(tokenizer, count: int) -> list[list[int]]:

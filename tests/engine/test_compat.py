@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from obcache_vllm.vllm_ext import install as inst
-from obcache_vllm.vllm_ext import support
+from obcache_vllm.vllm_ext.frontend import admission as support
 
 
 def test_installed_vllm_matches_every_pinned_seam():
@@ -135,7 +135,7 @@ def test_api_server_install_is_idempotent_and_wraps_each_seam_once():
     for fn in first:
         assert getattr(fn, "__obcache_wrapped__", False), fn
         assert not getattr(fn.__wrapped__, "__obcache_wrapped__", False), f"{fn} wrapped twice"
-    from obcache_vllm.vllm_ext.stats import OBCachePrometheusStatLogger
+    from obcache_vllm.vllm_ext.frontend.stats import OBCachePrometheusStatLogger
 
     factories = async_llm.load_stat_logger_plugin_factories()
     assert factories.count(OBCachePrometheusStatLogger) == 1

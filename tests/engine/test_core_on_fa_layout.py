@@ -14,18 +14,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from obcache_vllm.kernel_checks.paged import paged_attention_reference, sdpa_gqa, write_slots
+from obcache_vllm.eviction.faults import Fault
+from obcache_vllm.eviction.layer import evict_after_attention
+from obcache_vllm.eviction.messages import EvictionOrder
+from obcache_vllm.eviction.paged import shift_rows_in_place
+from obcache_vllm.eviction.step import RequestKvState, RowPlan, StepPlan
+from obcache_vllm.evidence.kernel_checks.paged import (
+    paged_attention_reference,
+    sdpa_gqa,
+    write_slots,
+)
 from obcache_vllm.options import parse_kv_options
-from obcache_vllm.planning import EvictionOrder
 from obcache_vllm.scoring import HeadGeometry
-from obcache_vllm.vllm_ext.backends.flash_attn_layout import (
+from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
     FlashAttnKvView,
     layer_cache_views,
-    shift_rows_in_place,
 )
-from obcache_vllm.vllm_ext.core import evict_after_attention
-from obcache_vllm.vllm_ext.faults import Fault
-from obcache_vllm.vllm_ext.step import RequestKvState, RowPlan, StepPlan
 
 BS, HQ, HKV, D, WIDTH = 16, 4, 2, 32, 8
 GEOM = HeadGeometry(HQ, HKV, D)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from obcache_vllm.vllm_ext.backends.cpu import CpuKvView, probe_layout
+from obcache_vllm.vllm_ext.worker.backends.cpu import CpuKvView, probe_layout
 
 BS, D, HKV, BLOCKS = 32, 64, 3, 40
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from obcache_vllm.eval.cells import Cell, load_results
-from obcache_vllm.eval.harness import Harness
+from obcache_vllm.evidence.eval.cells import Cell, load_results
+from obcache_vllm.evidence.eval.harness import Harness
 from obcache_vllm.options import WIRE_FIELDS
 
 SAMPLES = 3

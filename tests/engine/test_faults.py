@@ -1,7 +1,7 @@
 """Fault injection on the real engine: a fault in eviction degrades one request, never the engine.
 
 The session engine runs with ``OBCACHE_VLLM_FAULTS=1`` (tests/engine/conftest.py), so a request
-can ask for a fault with ``extra_args={"obcache_fault": ...}`` (obcache_vllm/vllm_ext/faults.py).
+can ask for a fault with ``extra_args={"obcache_fault": ...}`` (obcache_vllm/eviction/faults.py).
 Each case runs a mixed batch of five: two unbudgeted requests (oracle: stock vLLM, plugin
 disabled, same batch), two budgeted ones (oracle: the same batch on the plugin engine without the
 fault) and the faulty one. Then: the engine is still serving, the neighbours' tokens are exactly

@@ -18,15 +18,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from obcache_vllm.kernel_checks.paged import read_slots
+from obcache_vllm.eviction.step import RequestKvState, RowPlan, StepPlan
+from obcache_vllm.evidence.kernel_checks.paged import read_slots
 from obcache_vllm.options import parse_kv_options
-from obcache_vllm.vllm_ext.backends import flash_attn as fa
-from obcache_vllm.vllm_ext.backends.flash_attn_layout import (
+from obcache_vllm.vllm_ext.worker.backends import flash_attn as fa
+from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
     LAYOUT_ORDERS,
     FlashAttnKvView,
     layer_cache_views,
 )
-from obcache_vllm.vllm_ext.step import RequestKvState, RowPlan, StepPlan
 
 BS, HKV, D = 16, 3, 64
 
@@ -219,7 +219,7 @@ def test_unsupported_configurations_are_refused(override, match):
 def test_platform_dispatch_of_refusals(monkeypatch):
     from vllm.platforms import current_platform
 
-    from obcache_vllm.vllm_ext import backends
+    from obcache_vllm.vllm_ext.worker import backends
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
@@ -271,7 +271,7 @@ def test_cuda_install_builds_the_obcache_runner_on_the_v1_path(cuda_install, mon
 def test_runner_class_puts_the_eviction_half_before_vllms():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from obcache_vllm.vllm_ext.runner import EvictingRunnerMixin
+    from obcache_vllm.vllm_ext.worker.runner import EvictingRunnerMixin
 
     mro = fa.OBCacheGPUModelRunner.__mro__
     assert mro.index(EvictingRunnerMixin) < mro.index(GPUModelRunner)

@@ -2,8 +2,8 @@
 
 Both sides run the default model in float32 on the same prompt token ids: the session's
 in-process plugin engine (its worker records the kept indices per layer, see conftest.py) and
-:mod:`obcache_vllm.hf_reference`, which applies the same scorer, pipeline and block rule to HF's
-eager attention. Properties checked per (pipeline, scorer):
+:mod:`obcache_vllm.evidence.hf_reference`, which applies the same scorer, pipeline and block
+rule to HF's eager attention. Properties checked per (pipeline, scorer):
 
 * kept indices per layer and KV head: mean |vLLM ∩ HF| / K >= 0.99 over prompts, layers, heads;
 * greedy continuations (16 tokens, EOS ignored) identical on >= 90 % of >= 20 long prompts;
@@ -31,9 +31,9 @@ import pytest
 import torch
 from texts import needle_parts
 
+from obcache_vllm.eviction.planning import plan_eviction
 from obcache_vllm.model import EXPECTED_CONFIG
 from obcache_vllm.options import parse_kv_options
-from obcache_vllm.planning import plan_eviction
 
 # The module fixture runs both sides (~5-10 min on 2 cores); it counts against the first test.
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -143,7 +143,7 @@ def hf_runs(
 ) -> dict[str, list[Run]]:
     """Each prompt (and each compressed context) is prefilled once, all queries kept; then
     every combo evicts and decodes."""
-    from obcache_vllm import hf_reference as ref
+    from obcache_vllm.evidence import hf_reference as ref
 
     model, _ = ref.load_model(model_path, dtype=torch.float32)
     runs: dict[str, list[Run]] = {name: [] for name in COMBOS}

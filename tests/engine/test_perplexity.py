@@ -10,8 +10,8 @@ import torch
 from helpers import POOL_BLOCKS
 from texts import haystack
 
-from obcache_vllm import perplexity as ppl
-from obcache_vllm.vllm_ext.forcing import (
+from obcache_vllm.evidence import perplexity as ppl
+from obcache_vllm.evidence.forcing import (
     ForcedRequest,
     ForceTokensProcessor,
     forced_params,

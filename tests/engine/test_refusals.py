@@ -22,7 +22,7 @@ import pytest
 from helpers import ENGINE_KWARGS
 
 from obcache_vllm.options import KvOptionsError
-from obcache_vllm.vllm_ext import support
+from obcache_vllm.vllm_ext.frontend import admission as support
 
 BUDGET = {"kv_budget": 64}
 
@@ -44,7 +44,7 @@ def _plain_scheduler():
 
 
 def _our_subclass():
-    from obcache_vllm.vllm_ext.scheduler import OBCacheScheduler
+    from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
 
     class MyOBCacheScheduler(OBCacheScheduler):
         pass
@@ -123,7 +123,7 @@ def test_unsupported_configuration_refuses_budgets_only(llm, change, needle):
     [
         pytest.param(None, id="default"),
         pytest.param("vllm.v1.core.sched.scheduler.Scheduler", id="vllm-scheduler-by-name"),
-        pytest.param("obcache_vllm.vllm_ext.scheduler.OBCacheScheduler", id="ours-by-name"),
+        pytest.param("obcache_vllm.vllm_ext.engine.scheduler.OBCacheScheduler", id="ours-by-name"),
         pytest.param("subclass-of-ours", id="subclass-of-ours"),
     ],
 )
@@ -169,7 +169,7 @@ def test_prompt_embeds_requests_are_refused_at_both_front_end_checks(llm):
     from vllm.inputs.engine import embeds_input, tokens_input
     from vllm.v1.engine import EngineCoreRequest
 
-    from obcache_vllm.vllm_ext.server import check_rendered_prompt
+    from obcache_vllm.vllm_ext.frontend.server import check_rendered_prompt
 
     config = llm.llm_engine.vllm_config
     embeds = torch.zeros(300, config.model_config.get_hidden_size())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from obcache_vllm.vllm_ext.stats import OBCachePrometheusStatLogger
+from obcache_vllm.vllm_ext.frontend.stats import OBCachePrometheusStatLogger
 
 
 def _logger(registry: CollectorRegistry) -> OBCachePrometheusStatLogger:

@@ -1,7 +1,7 @@
 """Contained eviction faults through the real server: one request degrades, the server serves.
 
 The session server runs with ``OBCACHE_VLLM_FAULTS=1`` (tests/serverproc.py), so a request can
-ask for a fault in ``vllm_xargs`` (obcache_vllm/vllm_ext/faults.py). A torn cache finishes that
+ask for a fault in ``vllm_xargs`` (obcache_vllm/eviction/faults.py). A torn cache finishes that
 request alone with vLLM's per-request error (HTTP 500, finish_reason "error"); a fault before
 anything was written leaves it uncompressed (HTTP 200, nothing evicted). Either way
 ``vllm:obcache_eviction_failures_total{stage,reason}`` moves by one and the neighbours are

@@ -7,7 +7,7 @@ for: budgeted and unbudgeted kinds, n > 1, disconnects mid-stream, rejections, p
 
 Per-request seeds are on: a seeded request with temperature > 0 whose prompt is prefilled in
 chunks used to kill vLLM 0.32's CPU engine ("CPU Generator does not use offset"; fixed by
-obcache_vllm/vllm_ext/seeded.py). Injected eviction faults (the fault_* kinds) are expected:
+obcache_vllm/vllm_ext/worker/seeded.py). Injected eviction faults (the fault_* kinds) are expected:
 a torn cache is a 500 for that request alone.
 """
 

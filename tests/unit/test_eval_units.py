@@ -9,8 +9,8 @@ from dataclasses import asdict
 
 import pytest
 
-from obcache_vllm.eval import grid, report, tasks
-from obcache_vllm.eval.cells import Cell, append_result, kept_tokens, load_results
+from obcache_vllm.evidence.eval import grid, report, tasks
+from obcache_vllm.evidence.eval.cells import Cell, append_result, kept_tokens, load_results
 
 
 @pytest.mark.parametrize("task", tasks.TASK_NAMES)
@@ -260,8 +260,8 @@ def test_report_pairs_scorers_with_attn_on_the_same_samples(tmp_path):
 
 
 def test_prefill_evict_cells_send_the_option_and_are_named_apart():
-    from obcache_vllm.eval.cells import Cell
-    from obcache_vllm.eval.grid import grid
+    from obcache_vllm.evidence.eval.cells import Cell
+    from obcache_vllm.evidence.eval.grid import grid
 
     cells = grid(tasks=["niah_single"], lengths=[2048], samples=4, seed=0, chat=True,
                  pipelines=["snapkv", "streaming"], scorers=["attn"], budgets=[0.1],

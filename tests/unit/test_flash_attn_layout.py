@@ -1,6 +1,6 @@
 """FlashAttention's paged layout (vLLM 0.32) on CPU tensors: the view, the in-place read shift.
 
-Oracles (obcache_vllm.kernel_checks.paged): per-slot reads of the logical view (FA's own
+Oracles (obcache_vllm.evidence.kernel_checks.paged): per-slot reads of the logical view (FA's own
 addressing), a pure-torch paged-attention reference reading the same block table and
 seq_lens, and SDPA over exactly the tokens each request must see. The same checks run on CUDA
 tensors in scripts/gpu_kernels_check.sh; the equivalence of these views with vLLM's own
@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from obcache_vllm.kernel_checks import paged
-from obcache_vllm.vllm_ext.backends.flash_attn_layout import (
+from obcache_vllm.eviction.paged import shift_rows_in_place
+from obcache_vllm.evidence.kernel_checks import paged
+from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
     LAYOUT_ORDERS,
     DeadCounts,
     FlashAttnKvView,
     layer_cache_views,
-    shift_rows_in_place,
 )
 
 LAYOUTS = [pytest.param(name, id=name) for name in LAYOUT_ORDERS]
@@ -98,7 +98,8 @@ def test_the_kernel_checks_import_without_vllm():
     from pathlib import Path
 
     code = (
-        "import sys, obcache_vllm.kernel_checks.paged, obcache_vllm.kernel_checks.scorers\n"
+        "import sys, obcache_vllm.evidence.kernel_checks.paged, "
+        "obcache_vllm.evidence.kernel_checks.scorers\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
     )
     repo = Path(__file__).resolve().parents[2]
@@ -111,7 +112,10 @@ def test_the_kernel_checks_import_without_vllm():
 
 def test_batched_gather_and_scatter_equal_row_by_row():
     """The view moves several requests' rows at once (the core batches decode evictions)."""
-    from obcache_vllm.vllm_ext.backends.flash_attn_layout import FlashAttnKvView, layer_cache_views
+    from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
+        FlashAttnKvView,
+        layer_cache_views,
+    )
 
     gen = torch.Generator().manual_seed(3)
     cache = layer_cache_views(2, 20, 2, 16, 8, "BLNHC", torch.float32)[0]  # a permuted layout

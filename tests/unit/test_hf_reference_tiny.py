@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from obcache_vllm import hf_reference as ref
+from obcache_vllm.eviction.planning import plan_eviction
+from obcache_vllm.evidence import hf_reference as ref
 from obcache_vllm.options import KvOptions
-from obcache_vllm.planning import plan_eviction
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, VOCAB = 4, 2, 16, 2, 96
 BLOCK = 8

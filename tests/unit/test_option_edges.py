@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from obcache_vllm.options import KvOptionsError, bounded, parse_kv_options
-from obcache_vllm.vllm_ext import server
+from obcache_vllm.vllm_ext.frontend import server
 
 BUDGET = {"kv_budget": 64}
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from obcache_vllm.eviction.planning import plan_eviction
 from obcache_vllm.options import KvOptions, KvOptionsError, parse_kv_options
-from obcache_vllm.planning import plan_eviction
 
 
 def test_no_budget_means_stock_request():

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from obcache_vllm import perplexity as ppl
+from obcache_vllm.evidence import perplexity as ppl
 from obcache_vllm.options import parse_kv_options
 
 

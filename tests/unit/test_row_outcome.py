@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from obcache_vllm.vllm_ext.faults import InjectedFault
-from obcache_vllm.vllm_ext.step import RowOutcome
+from obcache_vllm.eviction.faults import InjectedFault
+from obcache_vllm.eviction.step import RowOutcome
 
 LAYERS = 30
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from obcache_vllm.vllm_ext.seeded import SeededCpuSamplingMixin
+from obcache_vllm.vllm_ext.worker.seeded import SeededCpuSamplingMixin
 
 
 class PhiloxLike:

@@ -1,6 +1,6 @@
 """Server-wide kv_* defaults (YAML + environment) and the server's request-field plumbing.
 
-Pure Python: obcache_vllm.config and the vLLM-free helpers of obcache_vllm.vllm_ext.server.
+Pure Python: obcache_vllm.config and the vLLM-free helpers of obcache_vllm.vllm_ext.frontend.server.
 The same behaviour through the real server: tests/server/test_openai_server.py.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from obcache_vllm import cli, config, options
-from obcache_vllm.vllm_ext import server
+from obcache_vllm.vllm_ext.frontend import server
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
+from obcache_vllm.eviction.step import RowOutcome, agree_across_ranks  # noqa: E402
 from obcache_vllm.scoring import make_pipeline  # noqa: E402
-from obcache_vllm.vllm_ext.step import RowOutcome, agree_across_ranks  # noqa: E402
 
 HEADS, TOKENS, KEEP, RECENT, SINKS, LAYERS = 4, 96, 40, 8, 2, 5
 

@@ -1,0 +1,254 @@
+"""Per-layer eviction over a paged cache view: the vLLM-free half of the attention path.
+
+The worker's attention layers call :func:`evict_after_attention` right after a layer's
+attention of one step, with the step's :class:`~obcache_vllm.eviction.step.StepPlan` and a
+:class:`KvCacheView` of that layer's cache (each attention backend supplies its own view; see
+:mod:`obcache_vllm.vllm_ext.worker.attention` for the data flow of a whole step). Per budgeted
+row it remembers or buffers queries, scores the resident tokens, selects the kept ones and
+moves them (gather, then scatter by block id). It never looks at pipeline names: it asks the
+pipeline object (``window``, ``running_mode``, ``scored``).
+
+Fault containment (see :class:`~obcache_vllm.eviction.step.RowOutcome`): an exception while
+one row is scored or compacted in one layer is caught here, recorded on the row, and the row is
+skipped by the remaining layers. The runner then decides: nothing written -> the request goes
+on uncompressed; every layer written -> committed; some layers written -> the cache is torn,
+and the scheduler finishes that request alone with an error.
+
+Glossary: ``n`` queries of a request in this step, ``N`` resident tokens, ``K`` kept per head,
+``Hq``/``Hkv`` heads, ``D`` head dim, ``bs`` block size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from obcache_vllm.eviction.faults import InjectedFault
+from obcache_vllm.eviction.step import RowPlan, StepPlan
+from obcache_vllm.scoring import HeadGeometry, RunningScores
+
+logger = logging.getLogger(__name__)
+
+
+class KvCacheView(Protocol):
+    """One attention layer's paged KV cache, in one backend's layout (adapter part (a)).
+
+    Batched over requests: ``blocks`` is an int tensor [R, >= nb] of block rows (slot j of row
+    r lives in block ``blocks[r, j // bs]``); every row moves the same number of tokens.
+    """
+
+    block_size: int
+
+    def gather(self, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [R, Hkv, N, D] of slots ``[0, N)`` of each block row."""
+        ...
+
+    def scatter(self, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys/values [R, Hkv, K, D] into slots ``[0, K)`` of each block row.
+
+        Whole blocks are written: slots ``[K, cdiv(K, bs)*bs)`` of the last block get padding
+        (they lie past the request's length, and the request writes them itself later)."""
+        ...
+
+
+def evict_after_attention(
+    plan: StepPlan, layer: str, query: torch.Tensor, view: KvCacheView, geom: HeadGeometry
+) -> None:
+    """This layer's eviction work for every budgeted row of the step; faults stay in their row."""
+    start = time.perf_counter()
+    if plan.decode_write is not None:  # every summed-score decode query of the step, one op
+        slots, positions, tokens = plan.decode_write
+        plan.decode_store.write(layer, slots, positions, query.index_select(0, tokens))
+    for group in plan.groups:
+        rows = [r for r in group.rows if r.state.disabled is None and r.outcome.failure is None]
+        if not rows:
+            continue
+        try:
+            _group_after_attention(plan, group, rows, layer, query, view, geom)
+        except Exception as exc:  # a batched op failed: a fault of every request in it
+            writing = any(r.outcome.writing for r in rows)
+            for r in rows:
+                r.outcome.fail("compact" if writing else "score", exc, f"{layer} (batched)")
+    for row in plan.rows:
+        if not row.active or row.grouped:
+            continue
+        # Tensor parallelism, one ranking per layer: every rank enters this row's all-reduce
+        # once per layer, also when it gave the row up (see StepPlan.ranking_reduction).
+        reduction = plan.ranking_reduction(row)
+        if row.state.disabled is None and row.outcome.failure is None:
+            try:
+                _row_after_attention(plan, row, layer, query, view, geom, reduction)
+            except Exception as exc:  # contained: see the module docstring
+                row.outcome.fail("compact" if row.outcome.writing else "score", exc, layer)
+        if reduction is not None:
+            reduction.join(row.num_resident, query.device)
+    plan.timings.append(time.perf_counter() - start)
+
+
+def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, reduction) -> None:
+    """Bookkeeping and, if ordered, compaction of one budgeted request in one layer.
+
+    Only rows with work in this step get here (``row.active``, decided once per step by the
+    runner): prefill chunks remember the last window queries, or are scored when the pipeline
+    counts every prompt query (h2o); a decode row is scored only when its stored queries must be
+    folded in (buffer full, or an order) or at an order. Scoring needs the resident K/V. Scoring
+    a buffer of decode queries at once equals the sum of their per-step scores: no eviction
+    happened in between, so each query saw exactly the resident tokens at or before its
+    position (the causal mask of the scorer).
+    """
+    state, order, opts, pipeline = row.state, row.order, row.state.options, row.state.pipeline
+    q_rows = query[row.q_start : row.q_end]  # [n, Hq, D]
+    every_prompt_query = pipeline.window is None  # h2o: all prompt queries count
+    prefill_end = row.prefill and row.logical_len >= row.prompt_len
+    if row.prefill and not every_prompt_query and pipeline.window:
+        state.remember_queries(layer, q_rows, pipeline.window)
+    prompt_scoring = row.prefill and every_prompt_query and pipeline.scored
+    if not (order is not None or prompt_scoring or row.score_decode
+            or (opts.decode and prefill_end)):  # fmt: skip
+        return
+
+    if row.fault is not None and row.fault.stage == "score":
+        raise InjectedFault("score")
+    # Every row of the step reads the same block table: the one the attention just used.
+    blocks = plan.read_block_table[row.row : row.row + 1]  # [1, M]
+    keys, values = view.gather(blocks, row.num_resident)
+    keys, values = keys[0], values[0]  # [Hkv, N, D] each
+    scores = _scores(plan, row, layer, q_rows, keys, values, geom, prefill_end)
+    if order is None:
+        return
+
+    keep = pipeline.select(
+        scores, keep=order.kept, recent=opts.recent, sinks=opts.sinks, reduce=reduction
+    )
+    if state.record is not None:
+        state.record[layer] = keep.clone()
+    index = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])  # [Hkv, K, D]
+    kept_k = torch.gather(keys, 1, index)  # gathered before anything is written
+    kept_v = torch.gather(values, 1, index)
+    row.outcome.writing = True
+    fault = row.fault
+    if fault and fault.stage == "compact" and plan.layer_index.get(layer) == fault.layer:
+        raise InjectedFault(f"compact at layer {fault.layer}")
+    # Kept tokens go to logical slots [dead_after*bs, L): block (dead_after - dead_before) on
+    # of the row as the attention read it.
+    view.scatter(blocks[:, order.dead_after - order.dead_before :], kept_k[None], kept_v[None])
+    row.outcome.writing = False
+    row.outcome.compacted_layers += 1
+    running = state.running.get(layer)
+    if running is not None and running.length:  # empty: a window pipeline before prompt end
+        running.gather(keep)
+    if row.logical_len >= opts.compress_point(row.prompt_len):
+        state.queries.pop(layer, None)  # kv_prefill_evict keeps them for the next chunk's order
+
+
+def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
+    """Decode scoring and evictions of several requests with the same shapes, batched.
+
+    The runner groups decode-time orders (or, without an order, stored decode queries to fold
+    into the running scores) with the same options, resident count ``N``, query
+    count ``W`` and kept count ``K`` (:class:`~obcache_vllm.eviction.step.RowGroup`). Their K/V
+    are gathered in one op, scored as ONE request whose heads are the requests' heads side by
+    side (scores are per KV head, a query head only meets its own KV head, so stacking
+    requests along the head axis changes nothing), selected together, gathered and scattered
+    in one op each. Positions are relative: each request's keys are its last N tokens and its
+    queries the last W, so ``k_pos = 0..N-1``, ``q_pos = N-W..N-1`` give every request its own
+    causal mask. Per-request work is left to the running scores (a few small ops).
+    """
+    first = rows[0]
+    state, opts, pipeline = first.state, first.state.options, first.state.pipeline
+    num_rows, n, w = len(rows), first.num_resident, group.num_queries
+    index = torch.tensor([r.row for r in rows], device=plan.read_block_table.device)
+    blocks = plan.read_block_table.index_select(0, index)  # [R, M]
+    keys, values = view.gather(blocks, n)  # [R, Hkv, N, D]
+    hkv, d = keys.shape[1], keys.shape[3]
+    if pipeline.scored:
+        if first.decode_position is not None:  # summed: the stored decode queries
+            slots = torch.tensor([r.state.decode_slot for r in rows], device=keys.device)
+            q = plan.decode_store.read_many(layer, slots, w)  # [R, W, Hq, D]
+        else:  # the newest query of each
+            tokens = torch.tensor([r.q_start for r in rows], device=query.device)
+            q = query.index_select(0, tokens)[:, None]  # [R, 1, Hq, D]
+        hq = q.shape[2]
+        big = HeadGeometry(num_rows * hq, num_rows * hkv, geom.head_dim, geom.scale)
+        step = state.scorer(
+            q.permute(1, 0, 2, 3).reshape(w, num_rows * hq, d),  # [W, R*Hq, D]
+            keys.permute(2, 0, 1, 3).reshape(n, num_rows * hkv, d),  # [N, R*Hkv, D]
+            values.permute(2, 0, 1, 3).reshape(n, num_rows * hkv, d),
+            big,
+            torch.arange(n - w, n, device=keys.device),
+            torch.arange(n, device=keys.device),
+        ).view(num_rows, hkv, n)  # [R, Hkv, N]
+        scores = []
+        for i, r in enumerate(rows):
+            running = r.state.running.get(layer)
+            if running is None:
+                running = r.state.running[layer] = RunningScores(hkv, mode=r.state.decode_mode)
+            running.add(step[i])
+            scores.append(running.scores)
+        if first.order is None:  # only folding stored decode queries into the running scores
+            return
+        scores = torch.stack(scores)  # [R, Hkv, N]
+    elif first.order is None:
+        return
+    else:
+        scores = keys.new_zeros((num_rows, hkv, n))
+    keep = pipeline.select_batch(scores, keep=first.order.kept, recent=opts.recent,
+                                 sinks=opts.sinks)  # fmt: skip
+    index_kd = keep.unsqueeze(-1).expand(-1, -1, -1, d)  # [R, Hkv, K, D]
+    kept_k = torch.gather(keys, 2, index_kd)  # gathered before anything is written
+    kept_v = torch.gather(values, 2, index_kd)
+    for r in rows:
+        r.outcome.writing = True
+    view.scatter(blocks[:, group.shift :], kept_k, kept_v)
+    for i, r in enumerate(rows):
+        r.outcome.writing = False
+        r.outcome.compacted_layers += 1
+        running = r.state.running.get(layer)
+        if running is not None:
+            running.gather(keep[i])
+        if r.state.record is not None:
+            r.state.record[layer] = keep[i].clone()
+
+
+def _scores(plan: StepPlan, row: RowPlan, layer, q_rows, keys, values, geom, prefill_end):
+    """Current scores [Hkv, N] of the resident tokens (updates the running scores)."""
+    state, opts, pipeline = row.state, row.state.options, row.state.pipeline
+    num_heads, num_resident = keys.shape[0], keys.shape[1]
+    if not pipeline.scored:
+        return keys.new_zeros((num_heads, num_resident), dtype=torch.float32)
+    device = keys.device
+    k_tok, v_tok = keys.transpose(0, 1), values.transpose(0, 1)  # [N, Hkv, D] views
+    # Logical slot of resident j is dead*bs + j: the true position for tokens written since
+    # the last compaction, and below every later query for compacted ones (kept tokens only
+    # move right, to slots < the length at compaction). So it is an exact causal key.
+    k_pos = state.dead * row.block_size + torch.arange(num_resident, device=device)
+    every_prompt_query = pipeline.window is None
+    running = state.running.get(layer)
+    if running is None and (opts.decode or every_prompt_query or not row.prefill):
+        running = state.running[layer] = RunningScores(num_heads, mode=state.decode_mode)
+
+    if row.prefill and not every_prompt_query:  # window pipelines: score once, at the end
+        q = state.queries[layer]
+        q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
+        if state.record is not None:
+            first = row.logical_len - q.shape[0]
+            state.record[layer + ":window"] = (q.shape[0], first, row.logical_len - 1)
+        scores = pipeline.prefill_scores(state.scorer, q, k_tok, v_tok, geom, q_pos, k_pos)
+        if running is not None and prefill_end:
+            running.reset()
+            running.add(scores)
+        return scores
+    if row.prefill:  # every prompt query: this chunk's contribution, added up
+        q_pos = torch.arange(row.logical_len - q_rows.shape[0], row.logical_len, device=device)
+        step = pipeline.prefill_scores(state.scorer, q_rows, k_tok, v_tok, geom, q_pos, k_pos)
+    else:
+        q = q_rows  # "last": the newest query only
+        if row.decode_position is not None:  # "sum": every query stored since the last scoring
+            q = plan.decode_store.read(layer, state.decode_slot, row.decode_position + 1)
+        q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
+        step = state.scorer(q, k_tok, v_tok, geom, q_pos, k_pos)
+    running.add(step)
+    return running.scores

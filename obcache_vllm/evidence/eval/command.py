@@ -1,0 +1,128 @@
+"""``obcache-vllm eval``: run the accuracy grid, render the report, run the kvpress reference.
+
+    obcache-vllm eval run [grid options]       compute missing cells, then write the report
+    obcache-vllm eval report                   results.jsonl -> results.json, RESULTS.md, PNGs
+    obcache-vllm eval kvpress [grid options]   the same cells through NVIDIA kvpress (HF)
+
+vLLM and transformers are imported only when a command needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from obcache_vllm.evidence.eval import grid as grid_mod
+from obcache_vllm.evidence.eval.tasks import TASK_NAMES
+
+DEFAULT_RESULTS = Path("results/eval")
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError as exc:
+            message = f"not a comma-separated list of {kind.__name__}"
+            raise argparse.ArgumentTypeError(message) from exc
+
+    return parse
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(text)
+
+
+_bool.__name__ = "bool"
+
+
+def _grid_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
+    p.add_argument("--tasks", type=_csv(str), default=list(TASK_NAMES), help="comma-separated")
+    p.add_argument("--lengths", type=_csv(int), default=[1024], help="nominal tokens: 512,1024")
+    p.add_argument("--samples", type=int, default=50, help="samples per cell")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap prompts in the model's chat template (default: yes)")
+    p.add_argument("--pipelines", type=_csv(str), default=list(grid_mod.PIPELINES))
+    p.add_argument("--scorers", type=_csv(str), default=list(grid_mod.SCORERS))
+    p.add_argument("--budgets", type=_csv(float), default=list(grid_mod.BUDGETS),
+                   help="fractions of the document's tokens")
+    p.add_argument("--settings", type=_csv(str), default=list(grid_mod.EVICTION_SETTINGS))
+    p.add_argument("--windows", type=_csv(int), default=[64], help="snapkv windows")
+    p.add_argument("--per-head", dest="per_heads", type=_csv(_bool), default=[True],
+                   help="token selection: true = per KV head, false = one ranking per layer "
+                   "(kv_per_head); e.g. true,false")
+    p.add_argument("--prefill-evict", dest="prefill_evicts", type=_csv(_bool), default=[False],
+                   help="comma-separated booleans: kv_prefill_evict per cell (true,false)")
+    p.add_argument("--chunk", type=int, default=2048,
+                   help="prefill chunk of the engine (max_num_batched_tokens)")
+    p.add_argument("--no-full", dest="full", action="store_false",
+                   help="skip the full-cache cells")
+    p.add_argument("--model", default=None, help="HF model directory (default: the default model)")
+    p.add_argument("--max-batch", type=int, default=64, help="requests per generate call")
+    p.add_argument("--lock", default=None,
+                   help="flock this file while the engine starts and while each batch runs")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-report", dest="report", action="store_false")  # fmt: skip
+
+
+def add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="accuracy of eviction methods on RULER-style tasks")
+    esub = p.add_subparsers(dest="eval_command", required=True)
+    _grid_options(esub.add_parser("run", help="compute the missing cells of a grid, then report"))
+    rep = esub.add_parser("report", help="write results.json, RESULTS.md and PNG plots")
+    rep.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
+    kv = esub.add_parser("kvpress", help="the same cells through NVIDIA kvpress, in its own venv")
+    _grid_options(kv)
+    kv.add_argument("--python", default=None,
+                    help="the kvpress venv's python (default: $KVPRESS_PYTHON, else "
+                    "../venvs/kvpress/bin/python; create it with scripts/kvpress_venv.sh)")
+
+
+def _cells(args, engine: str):
+    for name, known in (("tasks", TASK_NAMES),):
+        bad = [t for t in getattr(args, name) if t not in known]
+        if bad:
+            raise SystemExit(f"obcache-vllm eval: unknown {name} {bad}; known: {', '.join(known)}")
+    return grid_mod.grid(
+        tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
+        chat=args.chat, pipelines=args.pipelines, scorers=args.scorers, budgets=args.budgets,
+        settings=args.settings, windows=args.windows, per_heads=args.per_heads, full=args.full,
+        prefill_evicts=args.prefill_evicts, engine=engine,
+    )  # fmt: skip
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    results = args.results_dir / "results.jsonl"
+    if args.eval_command == "run":
+        from obcache_vllm.evidence.eval.harness import Harness
+
+        cells = _cells(args, "vllm")
+        max_len = max(args.lengths) * 2 + 512
+        harness = Harness(
+            results, model=args.model, lock=args.lock, max_batch=args.max_batch,
+            max_model_len=min(8192, max_len), progress=args.progress, chunk=args.chunk,
+        )  # fmt: skip
+        todo = harness.pending(cells)
+        print(f"eval: {len(cells)} cells, {len(todo)} to compute -> {results}", file=sys.stderr)
+        try:
+            harness.run(cells)
+        finally:
+            harness.close()
+    elif args.eval_command == "kvpress":
+        from obcache_vllm.evidence.eval.kvpress_bridge import run_kvpress
+
+        cells = _cells(args, "kvpress")
+        run_kvpress(cells, results, python=args.python, model=args.model, lock=args.lock)
+    if args.eval_command == "report" or args.report:
+        from obcache_vllm.evidence.eval.report import write_report
+
+        for path in write_report(args.results_dir):
+            print(path)
+    return 0

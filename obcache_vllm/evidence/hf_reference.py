@@ -1,0 +1,308 @@
+"""The same eviction in HF transformers: a reference for the vLLM path, and scorers without vLLM.
+
+This module imports torch and transformers only. It runs a decoder-only Llama-style model with
+eager attention, applies exactly the decision the vLLM worker makes at the end of the prefill
+(same scorer, same pipeline, same block rule, same sinks/recent window), keeps the selected
+entries per layer and KV head in a ``DynamicCache``, and continues greedily::
+
+    import torch
+    from obcache_vllm.evidence import hf_reference as ref
+    from obcache_vllm.options import KvOptions
+
+    model, tok = ref.load_model("~/.cache/obcache-vllm/models/SmolLM2-135M-Instruct")
+    ids = tok.apply_chat_template([{"role": "user", "content": long_text}],
+                                  add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    opts = KvOptions(budget=256, scorer="obcache_key", pipeline="snapkv", window=32)
+    result = ref.compress_and_generate(model, ids[0], opts, block_size=32, max_new_tokens=32)
+    print(tok.decode(result.token_ids), result.num_kept, result.kept[0].shape)  # [Hkv, K]
+
+To compare several options on one prompt, run the prompt once (:func:`prefill` with
+``query_window=-1`` keeps every query) and call :func:`select_kept` and :func:`generate`
+per option set. ``block_size`` only matters for the kept count K: vLLM frees whole blocks, so
+``budget <= K < budget + block_size`` (see :mod:`obcache_vllm.eviction.planning`); use the
+block size of the vLLM engine you compare with (32 in the tests).
+
+What matches vLLM, step by step:
+
+1. The prompt goes through the model once with the full cache (as vLLM's prefill); the first
+   new token comes from the last prompt position's logits, which attended to every token.
+2. Per layer, the post-RoPE queries of the prompt (the last W for ``snapkv``, the last one for
+   ``tova``, all of them for ``h2o``) and the cached post-RoPE keys and values [L, Hkv, D] go
+   through ``pipeline.prefill_scores`` then ``pipeline.select(keep=K, recent, sinks)``.
+3. Each layer's cache is replaced by the kept entries [1, Hkv, K, D] (heads may keep different
+   tokens; all keep K). Kept keys carry their original rotation, so positions stay true.
+4. Decoding feeds one token at a time with its TRUE position ``L + t`` (HF would otherwise
+   derive ``K + t`` from the cache length). One query over K + t + 1 entries needs no mask.
+
+Glossary: L prompt tokens, W window queries, K kept per head, Hq/Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from obcache_vllm.eviction.messages import EvictionOrder
+from obcache_vllm.eviction.planning import plan_eviction
+from obcache_vllm.options import KvOptions
+from obcache_vllm.scoring import HeadGeometry, Pipeline, Scorer
+
+__all__ = [
+    "Prefill",
+    "Result",
+    "compress_and_generate",
+    "generate",
+    "load_model",
+    "make_scoring",
+    "prefill",
+    "select_kept",
+]
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` from a local HF directory, eager attention, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def make_scoring(options: KvOptions) -> tuple[Scorer, Pipeline]:
+    """The scorer and pipeline the vLLM worker builds for ``options`` (the same call)."""
+    return options.build_scoring()
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """The prompt's full-cache pass: what every eviction decision and continuation starts from.
+
+    ``keys``/``values``: per layer [L, Hkv, D] (post-RoPE keys). ``queries``: per layer the last
+    ``min(W, L)`` post-RoPE queries [W, Hq, D] (all L when captured with ``query_window=-1``).
+    ``logits``: the last prompt position's logits [V] (full cache).
+    """
+
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+    queries: tuple[Tensor, ...]
+    logits: Tensor
+    geometry: HeadGeometry
+
+    @property
+    def length(self) -> int:
+        """L: prompt tokens."""
+        return self.keys[0].shape[0]
+
+
+@dataclass(frozen=True)
+class Result:
+    """One compressed continuation.
+
+    ``kept``: per layer index the sorted kept prompt positions per KV head, LongTensor [Hkv, K]
+    (empty when no whole block could be evicted: then the cache stayed full, as in vLLM).
+    ``token_ids``: the greedy continuation. ``logits``: [n, V], the logits each token was
+    chosen from (row 0: full cache). ``order``: the block plan (None: no eviction).
+    """
+
+    kept: dict[int, Tensor]
+    token_ids: list[int]
+    logits: Tensor
+    order: EvictionOrder | None
+
+    @property
+    def num_kept(self) -> int | None:
+        """K per layer and KV head, or None when nothing was evicted."""
+        return self.order.kept if self.order is not None else None
+
+
+def _attention_modules(model) -> list:
+    layers = model.model.layers
+    return [layer.self_attn for layer in layers]
+
+
+def _geometry(model) -> HeadGeometry:
+    cfg = model.config
+    attn = _attention_modules(model)[0]
+    return HeadGeometry(
+        num_q_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=attn.head_dim,
+        scale=attn.scaling,
+    )
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE as HF Llama applies it (rotate-half), x [1, H, n, D], cos/sin [1, n, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, n, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@torch.inference_mode()
+def prefill(model, input_ids: Tensor, query_window: int = -1) -> Prefill:
+    """Run the prompt once (full cache) and capture queries, keys and values of every layer.
+
+    ``input_ids``: LongTensor [L] or [1, L]. ``query_window``: how many last queries to keep
+    per layer (-1: all; ``KvOptions.query_window`` gives what a pipeline needs; 0: none).
+    """
+    ids = input_ids.reshape(1, -1).to(model.device)  # [1, L]
+    num_tokens = ids.shape[1]
+    modules = _attention_modules(model)
+    geom = _geometry(model)
+    keep = num_tokens if query_window < 0 else min(query_window, num_tokens)
+    captured: dict[int, Tensor] = {}
+
+    def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [1, L, E]
+        cos, sin = kwargs["position_embeddings"]  # [1, L, D] each
+        rows = slice(num_tokens - keep, num_tokens)
+        q = module.q_proj(hidden[:, rows])  # [1, W, Hq*D]
+        q = q.view(1, keep, geom.num_q_heads, geom.head_dim).transpose(1, 2)  # [1, Hq, W, D]
+        q = _rope(q, cos[:, rows], sin[:, rows])  # [1, Hq, W, D]
+        captured[module.layer_idx] = q[0].transpose(0, 1).contiguous()  # [W, Hq, D]
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules] if keep else []
+    try:
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    cache = out.past_key_values
+    keys, values = [], []
+    for layer in cache.layers[: len(modules)]:
+        keys.append(layer.keys[0].transpose(0, 1).contiguous())  # [L, Hkv, D]
+        values.append(layer.values[0].transpose(0, 1).contiguous())  # [L, Hkv, D]
+    empty = torch.empty(0, geom.num_q_heads, geom.head_dim, dtype=keys[0].dtype)
+    queries = tuple(captured.get(i, empty) for i in range(len(modules)))
+    return Prefill(
+        keys=tuple(keys),
+        values=tuple(values),
+        queries=queries,
+        logits=out.logits[0, -1].float(),  # [V]
+        geometry=geom,
+    )
+
+
+def select_kept(
+    state: Prefill, options: KvOptions, block_size: int = 32
+) -> tuple[EvictionOrder | None, dict[int, Tensor]]:
+    """The block plan and the kept positions per layer, LongTensor [Hkv, K], as vLLM decides.
+
+    Empty dict when the block rule evicts nothing. Needs the queries ``options`` asks for
+    (``options.query_window`` last ones; all for h2o) in ``state``.
+    """
+    order = plan_eviction(
+        logical_len=state.length, budget=options.budget, dead_blocks=0, block_size=block_size
+    )
+    if order is None:
+        return None, {}
+    scorer, pipeline = make_scoring(options)
+    need = options.query_window
+    kept = {}
+    for layer, (q, k, v) in enumerate(zip(state.queries, state.keys, state.values, strict=True)):
+        if need != 0:
+            have = q.shape[0]
+            if (need < 0 and have < state.length) or have < min(need, state.length):
+                raise ValueError(
+                    f"layer {layer}: {have} queries captured, pipeline {options.pipeline!r} "
+                    f"needs {'all' if need < 0 else need}; call prefill with a larger query_window"
+                )
+            q = q if need < 0 else q[-need:]  # [W, Hq, D]
+        q_pos = torch.arange(state.length - q.shape[0], state.length)  # [W]
+        k_pos = torch.arange(state.length)  # [L]
+        scores = pipeline.prefill_scores(scorer, q, k, v, state.geometry, q_pos, k_pos)  # [Hkv, L]
+        kept[layer] = pipeline.select(
+            scores, keep=order.kept, recent=options.recent, sinks=options.sinks
+        )  # [Hkv, K]
+    return order, kept
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    state: Prefill,
+    kept: dict[int, Tensor] | None = None,
+    max_new_tokens: int = 16,
+    eos_token_ids: Collection[int] = (),
+    rest: Tensor | None = None,
+) -> tuple[list[int], Tensor]:
+    """Greedy continuation from the prefill with only the ``kept`` entries cached per layer.
+
+    ``kept`` None or empty: the full prompt cache. ``rest``: prompt tokens [R] that follow the
+    prefilled ones (``kv_compress_at``): computed in one pass on the compressed cache at their
+    true positions, the first new token then comes from their last logits. Returns the tokens
+    and the logits [n, V] each was chosen from. Stops after an ``eos_token_ids`` token (none by
+    default: exactly ``max_new_tokens`` tokens).
+    """
+    from transformers import DynamicCache
+
+    data = []
+    for layer, (k, v) in enumerate(zip(state.keys, state.values, strict=True)):
+        k_heads, v_heads = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
+        if kept:
+            index = kept[layer].unsqueeze(-1).expand(-1, -1, k.shape[-1])  # [Hkv, K, D]
+            k_heads = torch.gather(k_heads, 1, index)  # [Hkv, K, D]
+            v_heads = torch.gather(v_heads, 1, index)  # [Hkv, K, D]
+        data.append((k_heads.unsqueeze(0).contiguous(), v_heads.unsqueeze(0).contiguous()))
+    cache = DynamicCache(ddp_cache_data=data, config=model.config)
+
+    logits = state.logits
+    position = state.length
+    if rest is not None and rest.numel():
+        rest = rest.reshape(1, -1).to(model.device)  # [1, R]
+        positions = torch.arange(position, position + rest.shape[1], device=model.device)
+        out = model(
+            input_ids=rest,
+            position_ids=positions.unsqueeze(0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[0, -1].float()  # [V]
+        position += rest.shape[1]
+    tokens: list[int] = []
+    rows: list[Tensor] = []
+    stop = set(eos_token_ids)
+    for step in range(max_new_tokens):
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        rows.append(logits)
+        if token in stop or step == max_new_tokens - 1:
+            break
+        out = model(
+            input_ids=torch.tensor([[token]], device=model.device),
+            position_ids=torch.tensor([[position]], device=model.device),  # true position
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = out.logits[0, -1].float()  # [V]
+        position += 1
+    empty = state.logits.new_empty((0, state.logits.shape[0]))
+    return tokens, torch.stack(rows) if rows else empty
+
+
+def compress_and_generate(
+    model,
+    input_ids: Tensor,
+    options: KvOptions,
+    block_size: int = 32,
+    max_new_tokens: int = 16,
+    eos_token_ids: Collection[int] = (),
+) -> Result:
+    """Prefill, evict as vLLM would, and continue greedily.
+
+    Eviction runs at the end of the prompt, or after ``options.compress_at`` prompt tokens: the
+    remaining prompt tokens are then computed on the compressed cache, as in vLLM.
+    """
+    ids = input_ids.reshape(-1)
+    point = options.compress_point(ids.numel())
+    state = prefill(model, ids[:point], query_window=options.query_window)
+    order, kept = select_kept(state, options, block_size)
+    tokens, logits = generate(model, state, kept, max_new_tokens, eos_token_ids, ids[point:])
+    return Result(kept=kept, token_ids=tokens, logits=logits, order=order)

@@ -1,0 +1,80 @@
+"""vLLM's start-up check of the KV pool, relaxed as far as ``kv_prefill_evict`` makes safe.
+
+Stock vLLM refuses to start when the pool cannot hold one request of ``max_model_len``
+tokens. With ``kv_prefill_evict`` a budgeted request holds at most its bounded peak, so the
+pool must only hold one full prefill chunk (``max_num_batched_tokens``) plus two blocks (the
+smallest bounded peak); a smaller pool is refused exactly as stock vLLM refuses it. Requests
+that can never fit get a 400 at admission (:mod:`obcache_vllm.vllm_ext.frontend.capacity`).
+Runs in the EngineCore process, where the pool is sized.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+
+from obcache_vllm.vllm_ext.patching import patch_method
+
+logger = logging.getLogger(__name__)
+
+# The smallest pool (tokens) the relaxed check accepts, while get_kv_cache_configs runs.
+_min_pool_tokens: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "obcache_min_pool_tokens", default=None
+)
+
+
+def min_pool_tokens(vllm_config) -> int:
+    """The smallest pool the relaxed start-up check accepts."""
+    chunk = vllm_config.scheduler_config.max_num_batched_tokens
+    return chunk + 2 * vllm_config.cache_config.block_size
+
+
+def _wrap_get_kv_cache_configs(original):
+    @functools.wraps(original)
+    def get_kv_cache_configs(vllm_config, *args, **kwargs):
+        token = _min_pool_tokens.set(min_pool_tokens(vllm_config))
+        try:
+            return original(vllm_config, *args, **kwargs)
+        finally:
+            _min_pool_tokens.reset(token)
+
+    get_kv_cache_configs.__obcache_wrapped__ = True
+    return get_kv_cache_configs
+
+
+def _wrap_check_enough(original):
+    @functools.wraps(original)
+    def check_enough_kv_cache_memory(
+        available_memory, get_needed_memory, max_model_len, estimate_max_model_len
+    ):
+        try:
+            return original(
+                available_memory, get_needed_memory, max_model_len, estimate_max_model_len
+            )
+        except ValueError:
+            minimum = _min_pool_tokens.get()
+            if minimum is None or available_memory <= 0:
+                raise
+            fits = estimate_max_model_len(available_memory)
+            if fits < minimum:
+                raise
+            logger.warning(
+                "obcache: the KV pool holds about %d tokens, less than max_model_len=%d. "
+                "Serving anyway: requests that cannot fit get HTTP 400, and budgeted ones "
+                "with kv_prefill_evict can have prompts longer than the pool.",
+                fits,
+                max_model_len,
+            )
+
+    check_enough_kv_cache_memory.__obcache_wrapped__ = True
+    return check_enough_kv_cache_memory
+
+
+def install_relaxed_pool_check() -> None:
+    """Patch vLLM's start-up pool check (EngineCore process; idempotent)."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+
+    patch_method(core, "get_kv_cache_configs", _wrap_get_kv_cache_configs)
+    patch_method(kv_cache_utils, "_check_enough_kv_cache_memory", _wrap_check_enough)

@@ -1,0 +1,68 @@
+"""KV pools smaller than the context: who fits, a 400 for who does not, and the start-up check.
+
+Stock vLLM refuses to start when the KV pool cannot hold one request of ``max_model_len``
+tokens, because a request that outgrows the pool would wait (or be preempted) forever. With
+``kv_prefill_evict`` a budgeted request holds at most its bounded peak
+(:func:`obcache_vllm.eviction.planning.peak_blocks`), so a pool smaller than the context can serve
+prompts longer than itself. The plugin therefore:
+
+* relaxes the start-up check only as far as that is safe: the pool must still hold one full
+  prefill chunk (``max_num_batched_tokens``) plus two blocks (the smallest bounded peak); a
+  smaller pool is refused exactly as stock vLLM refuses it. A warning says what was relaxed.
+* refuses, with a 400 naming the field, every request whose worst case does not fit the pool
+  (:func:`capacity_error`): a stock request (prompt + ``max_tokens``), a budgeted one whose
+  prompt must be held whole (no ``kv_prefill_evict``), or one whose bounded peak is too big.
+  In a pool that holds ``max_model_len`` tokens this never triggers: vLLM's own length checks
+  already imply it.
+"""
+
+from __future__ import annotations
+
+from obcache_vllm.eviction.planning import peak_blocks
+from obcache_vllm.options import KvOptions, KvOptionsError
+
+
+def pool_blocks(vllm_config) -> int | None:
+    """Blocks a request can use (the null block excluded); None before the engine is up."""
+    blocks = vllm_config.cache_config.num_gpu_blocks
+    return None if not blocks else blocks - 1
+
+
+def capacity_error(
+    vllm_config, prompt_len: int, max_tokens: int | None, options: KvOptions | None
+) -> KvOptionsError | None:
+    """Why this request can never fit the KV pool, or None (see the module docstring)."""
+    usable = pool_blocks(vllm_config)
+    if usable is None:
+        return None
+    block_size = vllm_config.cache_config.block_size
+    if max_tokens is None:
+        max_tokens = vllm_config.model_config.max_model_len - prompt_len
+    peak = peak_blocks(
+        prompt_len=prompt_len,
+        max_tokens=max_tokens,
+        block_size=block_size,
+        chunk=vllm_config.scheduler_config.max_num_batched_tokens,
+        budget=None if options is None else options.budget,
+        decode=options is not None and options.decode,
+        prefill_evict=options is not None and options.prefill_evict,
+    )
+    if peak <= usable:
+        return None
+    need = f"needs up to {peak} KV blocks but the pool holds {usable} (of {block_size} tokens)"
+    if options is None:
+        return KvOptionsError(
+            "max_tokens",
+            f"the request {need}: lower max_tokens, or send kv_budget with kv_prefill_evict",
+            max_tokens,
+        )
+    if not options.prefill_evict and -(-prompt_len // block_size) > usable:
+        return KvOptionsError(
+            "kv_prefill_evict",
+            f"the prompt alone {need}: set kv_prefill_evict to evict while it is prefilled",
+            False,
+        )
+    hint = "" if options.decode else ", or set kv_decode"
+    return KvOptionsError(
+        "kv_budget", f"the request {need}: lower kv_budget or max_tokens{hint}", options.budget
+    )

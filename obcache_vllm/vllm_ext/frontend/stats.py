@@ -1,0 +1,117 @@
+"""obcache-vllm's metrics at vLLM's ``/metrics`` (API-server process), fed from EngineCore.
+
+Path (every metric is defined in :mod:`obcache_vllm.metrics`):
+
+1. EngineCore: ``OBCacheScheduler.make_stats`` sets ``SchedulerStats.obcache``, a field that
+   :func:`install_scheduler_stats_field` adds to vLLM's ``SchedulerStats`` dataclass in every
+   process (the plugin runs before the first stats are encoded or decoded), so msgspec carries it
+   to the front-end with the rest of the stats.
+2. Front-end: :class:`OBCachePrometheusStatLogger` subclasses vLLM's ``PrometheusStatLogger``.
+   vLLM's ``StatLoggerManager`` then uses it *instead of* the stock Prometheus logger (every
+   stock ``vllm:`` metric is kept: ``super().__init__``/``super().record``), and our metrics are
+   created after the stock constructor unregistered every ``vllm:`` collector. It is registered
+   as the ``vllm.stat_logger_plugins`` entry point ``obcache``; :func:`stat_logger_factories`
+   also adds it where that entry point is not installed (e.g. a source checkout).
+3. Rejections happen in the API server's input processing: :func:`count_rejection` increments
+   the counter of the live logger (a no-op without one, e.g. the offline ``LLM``).
+
+Counters are fed by deltas of EngineCore's cumulative totals, so a lost stats message loses no
+count; histograms by the drained per-step lists.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+from obcache_vllm import metrics
+from obcache_vllm.vllm_ext.wire import STATS_ATTR
+
+logger = logging.getLogger(__name__)
+
+_live_rejections = None  # the rejected-requests Counter of the live logger, if any
+
+
+def _make(spec: metrics.MetricSpec):
+    from prometheus_client import Counter, Histogram
+
+    if spec.kind == "counter":
+        return Counter(spec.name, spec.help, labelnames=list(spec.labels))
+    if spec.kind == "histogram":
+        return Histogram(spec.name, spec.help, labelnames=list(spec.labels), buckets=spec.buckets)
+    raise ValueError(f"unknown metric kind {spec.kind!r}")
+
+
+class OBCachePrometheusStatLogger(PrometheusStatLogger):
+    """vLLM's Prometheus logger plus the obcache metrics (see the module docstring)."""
+
+    def __init__(self, vllm_config, engine_indexes: list[int] | None = None) -> None:
+        global _live_rejections
+        super().__init__(vllm_config, engine_indexes)
+        made = {spec.name: _make(spec) for spec in metrics.METRICS}
+        self.obcache_evicted = made[metrics.EVICTED_TOKENS.name]
+        self.obcache_freed = made[metrics.FREED_BLOCKS.name]
+        self.obcache_events = made[metrics.EVICTION_EVENTS.name]
+        self.obcache_seconds = made[metrics.EVICTION_SECONDS.name]
+        self.obcache_resident = made[metrics.RESIDENT_TOKENS.name]
+        self.obcache_kept_ratio = made[metrics.KEPT_RATIO.name]
+        self.obcache_rejected = made[metrics.REJECTED_REQUESTS.name]
+        self.obcache_failures = made[metrics.EVICTION_FAILURES.name]
+        self.obcache_preempted = made[metrics.COMPRESSED_PREEMPTIONS.name]
+        # The scheduler reports cumulative totals; the last one seen per (engine, metric, labels).
+        self._obcache_seen: dict[tuple, int] = {}
+        _live_rejections = self.obcache_rejected
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        super().record(
+            scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx
+        )
+        payload = getattr(scheduler_stats, STATS_ATTR, None) if scheduler_stats else None
+        if payload:
+            self._record_obcache(payload, engine_idx or 0)
+
+    def _advance(self, engine_idx: int, counter, total: int, **labels: str) -> None:
+        """Raise ``counter{labels}`` by what the cumulative ``total`` gained since last seen."""
+        key = (engine_idx, id(counter), *labels.values())
+        seen = self._obcache_seen.get(key, 0)
+        self._obcache_seen[key] = total
+        if total > seen:
+            (counter.labels(**labels) if labels else counter).inc(total - seen)
+
+    def _record_obcache(self, payload: dict, engine_idx: int) -> None:
+        for scorer, pipeline, tokens, blocks, events in payload.get("by_option", ()):
+            for counter, total in ((self.obcache_evicted, tokens), (self.obcache_freed, blocks),
+                                   (self.obcache_events, events)):  # fmt: skip
+                self._advance(engine_idx, counter, total, scorer=scorer, pipeline=pipeline)
+        for stage, reason, count in payload.get("failures", ()):
+            self._advance(engine_idx, self.obcache_failures, count, stage=stage, reason=reason)
+        self._advance(engine_idx, self.obcache_preempted, payload.get("compressed_preemptions", 0))
+        for seconds in payload.get("seconds", ()):
+            self.obcache_seconds.observe(seconds)
+        for resident, kept_prompt, prompt_len in payload.get("finished", ()):
+            self.obcache_resident.observe(resident)
+            if prompt_len > 0:
+                self.obcache_kept_ratio.observe(kept_prompt / prompt_len)
+
+
+def count_rejection(field: str) -> None:
+    """Count one request rejected for the kv_* option ``field`` (no-op without a live logger)."""
+    if _live_rejections is not None:
+        _live_rejections.labels(field=field).inc()
+
+
+def stat_logger_factories(original):
+    """Wrap vLLM's ``load_stat_logger_plugin_factories``: ensure our logger is in the list once."""
+
+    def load_stat_logger_plugin_factories():
+        factories = list(original())
+        if not any(
+            isinstance(f, type) and issubclass(f, OBCachePrometheusStatLogger) for f in factories
+        ):
+            factories.append(OBCachePrometheusStatLogger)
+        return factories
+
+    load_stat_logger_plugin_factories.__obcache_wrapped__ = True
+    load_stat_logger_plugin_factories.__wrapped__ = original
+    return load_stat_logger_plugin_factories

@@ -1,0 +1,59 @@
+"""Where obcache-vllm's messages ride on vLLM's own objects between processes.
+
+Per-step state travels on the step's objects, the way vLLM passes its own (no globals):
+
+==============================================  ===========================================
+attribute                                       what
+==============================================  ===========================================
+``SchedulerOutput.obcache_orders``              ``{req_id: EvictionOrder}`` of the step
+``SchedulerOutput.obcache_disabled``            requests whose eviction the scheduler stopped
+``ModelRunnerOutput.obcache_report``            the worker's :class:`EvictionReport`
+``EngineCoreOutput.kv_transfer_params``         ``{"obcache": outcome}`` of a budgeted request
+``SchedulerStats.obcache``                      the engine's eviction counters (a field added
+                                                to vLLM's dataclass, see below)
+``SamplingParams.extra_args["obcache"]``        the admitted options (see
+                                                :mod:`obcache_vllm.options`)
+==============================================  ===========================================
+
+``SchedulerOutput`` and ``ModelRunnerOutput`` are pickled between EngineCore and the worker,
+and pickling keeps instance attributes. ``SchedulerStats`` is encoded with msgspec, which
+drops unknown attributes: :func:`install_scheduler_stats_field` adds a real field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# Extra attributes carrying the messages: on SchedulerOutput (orders, dict req_id -> order) and
+# on ModelRunnerOutput (report). Both objects are pickled between EngineCore and worker
+# processes, and pickling keeps instance attributes.
+ORDERS_ATTR = "obcache_orders"
+REPORT_ATTR = "obcache_report"
+# On SchedulerOutput: requests whose eviction the scheduler stopped (the worker stops scoring).
+DISABLED_ATTR = "obcache_disabled"
+# EngineCoreOutput.kv_transfer_params key carrying a budgeted request's KV outcome to the
+# front-end, and the SchedulerStats field carrying the eviction counters (see vllm_ext).
+OUTCOME_KEY = "obcache"
+STATS_ATTR = "obcache"
+
+
+def install_scheduler_stats_field() -> None:
+    """Add ``obcache: dict | None = None`` to vLLM's ``SchedulerStats`` (idempotent).
+
+    A dataclass field added after class creation: ``__dataclass_fields__`` (what msgspec
+    encodes and decodes), ``__annotations__`` and a class-level default (instances built
+    without it read ``None``). Must run before any ``SchedulerStats`` is encoded or decoded in
+    the process; the general plugin does it at load, in every process.
+    """
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    if STATS_ATTR in SchedulerStats.__dataclass_fields__:
+        return
+    field = dataclasses.field(default=None)
+    field.name = STATS_ATTR
+    field.type = dict[str, Any] | None
+    field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+    SchedulerStats.__dataclass_fields__[STATS_ATTR] = field
+    SchedulerStats.__annotations__[STATS_ATTR] = dict[str, Any] | None
+    setattr(SchedulerStats, STATS_ATTR, None)

@@ -1,0 +1,195 @@
+"""CPU adapter (vLLM's ``CPU_ATTN``): paged layout view, shifted reads, refusals, classes.
+
+Installed by overriding ``AttentionBackendEnum.CPU_ATTN`` (the CPU platform ignores
+``--attention-backend``), keeping the backend's name so every other part of vLLM sees CPU_ATTN,
+and by rebinding ``cpu_worker.CPUModelRunner`` (the CPU worker builds its runner by that name).
+
+Cache layout: one layer's cache is ``[num_blocks, Hkv, bs, 2*D]``; each ``(block, head)`` slab
+holds the keys of its ``bs`` slots, then their values, in an ISA-specific permutation (``vec``:
+K column-major ``[D, bs]``, V row-major ``[bs, D]``; ``amx`` packs K for VNNI; ...). Instead of
+hard-coding any of them, :func:`probe_layout` writes known values through vLLM's own
+``cpu_attn_reshape_and_cache`` into a scratch slab and reads back where each ``(slot, dim)``
+landed: two permutations of ``bs*D`` offsets. :class:`CpuKvView` then moves whole slabs by
+block id and permutes inside them with those two small index vectors.
+
+Shifted reads: the persistent block table of the CPU runner IS its "device" table (one
+tensor), and it drives the next step's slot mapping, so the shift builds NEW tensors.
+
+Glossary: ``N`` tokens of one request, ``nb`` blocks, ``Hkv`` KV heads, ``D`` head dim,
+``bs`` block size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from obcache_vllm.eviction.paged import shift_rows_in_place
+from obcache_vllm.eviction.step import StepPlan
+from obcache_vllm.vllm_ext.worker.attention import (
+    BackendAdapter,
+    EvictingBuilderMixin,
+    EvictingImplMixin,
+)
+from obcache_vllm.vllm_ext.worker.runner import EvictingRunnerMixin
+from obcache_vllm.vllm_ext.worker.seeded import SeededCpuSamplingMixin
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where slot ``s``, dim ``d`` of a ``(block, head)`` slab of ``2*bs*D`` elements lives."""
+
+    block_size: int
+    head_dim: int
+    k_offsets: torch.Tensor  # [bs*D] int64 in [0, 2*bs*D), slot-major: index s*D + d
+    v_offsets: torch.Tensor  # [bs*D] int64
+
+
+@functools.lru_cache(maxsize=16)
+def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> PagedLayout:
+    """Learn the slab permutation of ``isa`` by writing markers through vLLM's cache kernel.
+
+    Markers are slot indices and dim indices, written in two passes; they must be exact in
+    ``dtype`` (bf16 holds integers up to 256 exactly), so larger blocks or heads are refused.
+    """
+    from vllm import _custom_ops as ops
+
+    bs, d = block_size, head_dim
+    if max(bs, d) > 256:
+        raise NotImplementedError(f"layout probe supports bs, D <= 256, got {bs}, {d}")
+    slots = torch.arange(bs, dtype=torch.int64)
+
+    def write(marker: torch.Tensor) -> torch.Tensor:
+        raw = torch.full((1, 1, bs, 2 * d), -1.0, dtype=dtype)  # one block, one head
+        key_cache, value_cache = raw.view(1, 1, 2 * bs, d).chunk(2, dim=2)
+        kv = marker.to(dtype).view(bs, 1, d)
+        ops.cpu_attn_reshape_and_cache(kv, kv, key_cache, value_cache, slots, isa)
+        return raw.reshape(-1).float()
+
+    slot_marker = slots.view(bs, 1).expand(bs, d).float()  # [bs, D]
+    dim_marker = torch.arange(d).view(1, d).expand(bs, d).float()  # [bs, D]
+    slot_of = write(slot_marker).long()  # [2*bs*D]
+    dim_of = write(dim_marker).long()  # [2*bs*D]
+    half = bs * d
+    offsets = []
+    for region in (slice(0, half), slice(half, 2 * half)):
+        pos = torch.arange(region.start, region.stop)
+        table = torch.full((bs, d), -1, dtype=torch.int64)
+        table[slot_of[region], dim_of[region]] = pos
+        if (table < 0).any() or table.unique().numel() != half:
+            raise RuntimeError(f"KV layout probe for isa={isa!r} is not a permutation")
+        offsets.append(table.reshape(-1))
+    return PagedLayout(bs, d, offsets[0], offsets[1])
+
+
+class CpuKvView:
+    """One layer's CPU paged cache, read and written by block id (see the module docstring)."""
+
+    def __init__(self, kv_cache: torch.Tensor, layout: PagedLayout, num_kv_heads: int) -> None:
+        self.block_size = layout.block_size
+        self.layout = layout
+        self.num_kv_heads = num_kv_heads
+        self.slabs = kv_cache.view(-1, num_kv_heads, 2 * layout.block_size * layout.head_dim)
+
+    def gather(self, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, d, hkv = self.block_size, self.layout.head_dim, self.num_kv_heads
+        rows, nb = blocks.shape[0], -(-num_tokens // bs)
+        ids = blocks[:, :nb].reshape(-1).long()  # [R*nb]
+        slabs = self.slabs.index_select(0, ids)  # [R*nb, Hkv, 2*bs*D]
+
+        def unpack(offsets: torch.Tensor) -> torch.Tensor:
+            # gather with a broadcast (stride-0) index: one small index vector, no [.., N, D]
+            # index tensor, and ~10x faster than index_select on the last dim here.
+            flat = torch.gather(slabs, 2, offsets.expand(rows * nb, hkv, -1))  # [R*nb, Hkv, bs*D]
+            per_head = flat.view(rows, nb, hkv, bs, d).permute(0, 2, 1, 3, 4)  # [R, Hkv, nb, bs, D]
+            return per_head.reshape(rows, hkv, nb * bs, d)[:, :, :num_tokens]  # [R, Hkv, N, D]
+
+        return unpack(self.layout.k_offsets), unpack(self.layout.v_offsets)
+
+    def scatter(self, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        bs, d, hkv = self.block_size, self.layout.head_dim, self.num_kv_heads
+        rows, num_tokens = keys.shape[0], keys.shape[2]
+        nb = -(-num_tokens // bs)
+        slabs = self.slabs.new_zeros((rows * nb, hkv, 2 * bs * d))  # [R*nb, Hkv, 2*bs*D]
+        for part, offsets in ((keys, self.layout.k_offsets), (values, self.layout.v_offsets)):
+            padded = part.new_zeros((rows, hkv, nb * bs, d))  # [R, Hkv, nb*bs, D]
+            padded[:, :, :num_tokens] = part
+            slot_major = padded.view(rows, hkv, nb, bs * d).transpose(1, 2)  # [R, nb, Hkv, bs*D]
+            slabs.scatter_(2, offsets.expand(rows * nb, hkv, -1),
+                           slot_major.reshape(rows * nb, hkv, bs * d))  # fmt: skip
+        self.slabs.index_copy_(0, blocks[:, :nb].reshape(-1).long(), slabs)
+
+
+def shift_block_table(
+    table: torch.Tensor, seq_lens: torch.Tensor, dead: tuple[int, ...], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New (block table [R, M], seq_lens [R]) in which row r skips its first ``dead[r]`` blocks
+    (null block 0 fills the freed columns at the end): FLASH_ATTN's in-place shift on copies,
+    since the CPU backend's metadata is rebuilt every step and nothing replays the buffers."""
+    table, seq_lens = table.clone(), seq_lens.clone()
+    dead_t = torch.zeros(table.shape[0], dtype=torch.int64)
+    dead_t[: len(dead)] = torch.tensor(dead, dtype=torch.int64)
+    shift_rows_in_place(table, seq_lens, dead_t, block_size)
+    return table, seq_lens
+
+
+class CpuAdapter(BackendAdapter):
+    name = "CPU_ATTN"
+
+    def kv_view(self, kv_cache, layer, impl) -> CpuKvView:
+        layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], impl.head_size)
+        return CpuKvView(kv_cache, layout, impl.num_kv_heads)
+
+    def shift_reads(self, common_attn_metadata, plan: StepPlan):
+        cm = common_attn_metadata
+        table, seq_lens = shift_block_table(
+            cm.block_table_tensor, cm.seq_lens, plan.dead, plan.block_size
+        )
+        num_reqs = table.shape[0]
+        return dataclasses.replace(
+            cm,
+            block_table_tensor=table,
+            seq_lens=seq_lens,
+            max_seq_len=int(seq_lens.max().item()) if num_reqs else 0,
+        )
+
+    @staticmethod
+    def unsupported_reason(vllm_config) -> str | None:
+        return None  # every CPU configuration the engine accepts (checked generically)
+
+
+ADAPTER = CpuAdapter()
+
+
+class OBCacheMetadataBuilder(EvictingBuilderMixin, CPUAttentionMetadataBuilder):
+    obcache_adapter = ADAPTER
+
+
+class OBCacheCPUImpl(EvictingImplMixin, CPUAttentionBackendImpl):
+    obcache_adapter = ADAPTER
+
+
+class OBCacheCPUBackend(CPUAttentionBackend):
+    """CPU_ATTN with OBCache eviction (same name: the rest of vLLM must not notice)."""
+
+    @staticmethod
+    def get_impl_cls():
+        return OBCacheCPUImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return OBCacheMetadataBuilder
+
+
+class OBCacheCPUModelRunner(EvictingRunnerMixin, SeededCpuSamplingMixin, CPUModelRunner):
+    """vLLM's CPU model runner with the worker half of eviction, and seeded sampling that
+    survives chunked prefill (:mod:`obcache_vllm.vllm_ext.worker.seeded`)."""
