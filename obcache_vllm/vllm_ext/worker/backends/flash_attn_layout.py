@@ -23,14 +23,14 @@ Cache layout (vLLM 0.32, NOT the ``[2, num_blocks, bs, Hkv, D]`` tensor of older
 pages are selected along dim 0 (``index_select`` / ``index_copy_`` honour any strides), so it
 is correct for every layout (``VLLM_KV_CACHE_LAYOUT``), never a per-element index tensor.
 
-Read shift (:func:`~obcache_vllm.eviction.paged.shift_rows_in_place`): FlashAttention reads
-a request's KV through its block-table row and ``seqused_k`` (= ``seq_lens``). A compressed
-row with ``dead`` dead head blocks is read from column ``dead`` on, with ``seq_len - dead*bs`` tokens. vLLM 0.32 hands the
-builder SLICES of the runner's persistent buffers (``input_batch.block_table[g]
-.block_table.gpu`` and ``GPUModelRunner.seq_lens``), rewritten from the logical CPU state at
-every step (``commit_block_table`` and ``_prepare_inputs``) after the step's slot mapping was
-computed from them; the shift is written into those buffers IN PLACE (a CUDA graph replays
-exactly these buffers), and the next step's commit restores the logical values.
+Read shift (:func:`~obcache_vllm.eviction.paged.shift_rows_in_place`): FlashAttention reads a
+request's KV through its block-table row and ``seqused_k`` (= ``seq_lens``). A compressed row with
+``dead`` dead head blocks is read from column ``dead`` on, with ``seq_len - dead*bs`` tokens. vLLM
+0.32 hands the builder SLICES of the runner's persistent buffers (``input_batch.block_table[g]
+.block_table.gpu`` and ``GPUModelRunner.seq_lens``), rewritten from the logical CPU state at every
+step (``commit_block_table`` and ``_prepare_inputs``) after the step's slot mapping was computed
+from them; the shift is written into those buffers IN PLACE (a CUDA graph replays exactly these
+buffers), and the next step's commit restores the logical values.
 
 Glossary: ``R`` rows (requests) of the step, ``M`` block-table width, ``N`` tokens of one
 request, ``K`` kept tokens, ``nb`` blocks, ``Hkv`` KV heads, ``D`` head dim, ``bs`` block size.
