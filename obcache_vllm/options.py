@@ -1,12 +1,18 @@
-"""Per-request KV-eviction options: parsed once, at the edge, into a frozen validated object.
+"""Per-request KV-eviction options: parsed once at the edge, resolved once, carried as a wire form.
 
-Wire format (strings exist only here): the keys below, in ``SamplingParams.extra_args`` (the
-OpenAI API's ``vllm_xargs`` lands there; the server also lifts them from top-level request
-fields). A request without ``kv_budget`` is a stock vLLM request: :func:`parse_kv_options`
-returns ``None`` and nothing else in obcache-vllm touches it.
+Three shapes, one direction (the front end makes the first two, every later process decodes
+the third; see :mod:`obcache_vllm.vllm_ext.frontend.admission` for where each step runs)::
+
+    request fields (strings, JSON)  --parse_request-->  KvRequest   what the client asked
+    KvRequest      --resolve(prompt length, context)-->  KvOptions   what this request gets
+    KvOptions      --to_wire / from_wire-->  a versioned tuple of primitives in
+                   SamplingParams.extra_args["obcache"], decoded by EngineCore and the worker
+
+A request without ``kv_budget`` is a stock vLLM request: :func:`parse_request` returns ``None``
+and nothing else in obcache-vllm touches it.
 
 ==============  =========================================================================
-key             meaning
+field           meaning
 ==============  =========================================================================
 kv_budget       int >= 1: resident KV tokens per layer and KV head after eviction;
                 float in (0, 1]: that fraction of the prompt (rounded up).
@@ -32,18 +38,19 @@ kv_prefill_evict
                 Default false
 ==============  =========================================================================
 
-Budget rule (see :mod:`obcache_vllm.eviction.planning`): eviction frees whole KV blocks only, so the
-kept count K of a compressed request satisfies ``budget <= K < budget + block_size``.
+Budget rule (see :mod:`obcache_vllm.eviction.planning`): eviction frees whole KV blocks only,
+so the kept count K of a compressed request satisfies ``budget <= K < budget + block_size``.
 
-Every error is a :class:`KvOptionsError` naming the offending wire field; the vLLM edge turns
-it into ``VLLMValidationError`` (HTTP 400) before anything is allocated for the request.
+Every error is a :class:`KvOptionsError` naming the offending field; the front end turns it
+into vLLM's ``VLLMValidationError`` (HTTP 400) before anything is allocated for the request.
+Plain Python: no vLLM import.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 WIRE_FIELDS = (
@@ -61,6 +68,12 @@ WIRE_FIELDS = (
 
 # kv_-prefixed extra_args keys that belong to vLLM, not to us (KV-connector transfer params).
 FOREIGN_KV_KEYS = ("kv_transfer_params",)
+
+# The extra_args key of the admitted options: an in-process object between the front end's
+# steps, the wire tuple once the request leaves the input processor. Reserved: a client that
+# sends it in vllm_xargs gets a 400.
+ADMITTED_KEY = "obcache"
+WIRE_VERSION = "obcache/1"
 
 DEFAULT_SCORER = "obcache_key"
 DEFAULT_PIPELINE = "snapkv"
@@ -83,6 +96,10 @@ class KvOptionsError(ValueError):
         return bounded(self.value)
 
 
+class WireError(ValueError):
+    """An admitted-options wire form that does not decode (a fault, never a client error)."""
+
+
 _SHOWN_CHARS = 80
 
 
@@ -94,11 +111,17 @@ def bounded(value: Any) -> Any:
     return f"{text[:_SHOWN_CHARS]}... ({len(text)} chars)"
 
 
+def is_kv_option(key: str) -> bool:
+    """A kv_* request option (``kv_transfer_params`` is vLLM's own field, not ours)."""
+    return key.startswith("kv_") and key not in FOREIGN_KV_KEYS
+
+
 @dataclass(frozen=True)
 class KvOptions:
-    """Validated eviction options of one request.
+    """The resolved eviction options of one request (frozen; what EngineCore and worker see).
 
-    ``budget`` is the resolved token budget (a ratio is already applied to the prompt length).
+    ``budget`` is the resolved token budget (a ratio is already applied to the prompt length);
+    ``requested_budget`` is what the client asked for (an int, or the fraction).
     """
 
     budget: int
@@ -112,6 +135,7 @@ class KvOptions:
     compress_at: int | None = None
     per_head: bool = True
     prefill_evict: bool = False
+    requested_budget: int | float | None = field(default=None, compare=False)
 
     def compress_point(self, num_prompt_tokens: int) -> int:
         """Number of prompt tokens in the cache when the prefill eviction runs."""
@@ -139,11 +163,132 @@ class KvOptions:
             return -1
         return 0
 
+    # -- the wire form: a versioned tuple of primitives (msgspec and pickle carry it) ------
+    def to_wire(self) -> tuple:
+        return (WIRE_VERSION, *(getattr(self, f.name) for f in _OPTION_FIELDS))
+
+    @classmethod
+    def from_wire(cls, value: Any) -> KvOptions:
+        """Decode :meth:`to_wire`'s tuple (a list after msgspec); raises :class:`WireError`.
+
+        Checks shape and primitive types only: the values were validated at admission.
+        """
+        if not isinstance(value, (tuple, list)) or not value or value[0] != WIRE_VERSION:
+            raise WireError(f"not an {WIRE_VERSION} wire form: {bounded(value)!r}")
+        if len(value) != len(_OPTION_FIELDS) + 1:
+            raise WireError(f"{WIRE_VERSION} wire form of {len(value)} items: {bounded(value)!r}")
+        values = dict(zip((f.name for f in _OPTION_FIELDS), value[1:], strict=True))
+        for name, kinds in _WIRE_TYPES.items():
+            item = values[name]
+            if not isinstance(item, kinds) or (isinstance(item, bool) and bool not in kinds):
+                raise WireError(f"{WIRE_VERSION} wire field {name}={bounded(item)!r}")
+        return cls(**values)
+
+
+_OPTION_FIELDS = fields(KvOptions)
+_WIRE_TYPES: dict[str, tuple[type, ...]] = {
+    "budget": (int,),
+    "scorer": (str,),
+    "pipeline": (str,),
+    "window": (int,),
+    "recent": (int,),
+    "sinks": (int,),
+    "decode": (bool,),
+    "compress_at": (int, type(None)),
+    "per_head": (bool,),
+    "prefill_evict": (bool,),
+    "requested_budget": (int, float, type(None)),
+}
+assert tuple(_WIRE_TYPES) == tuple(f.name for f in _OPTION_FIELDS)
+
+
+@dataclass(frozen=True)
+class KvRequest:
+    """What one request asked for: every kv_* field parsed and checked, the prompt not yet known.
+
+    :meth:`resolve` applies it to a prompt (a fraction becomes tokens, positions are checked
+    against the prompt and the context) and returns the :class:`KvOptions` it gets.
+    """
+
+    budget: int | float
+    scorer: str = DEFAULT_SCORER
+    pipeline: str = DEFAULT_PIPELINE
+    window: int = DEFAULT_WINDOW
+    recent: int = DEFAULT_RECENT
+    sinks: int = DEFAULT_SINKS
+    decode: bool = False
+    compress_at: int | None = None
+    per_head: bool = True
+    prefill_evict: bool = False
+
+    def resolve(self, num_prompt_tokens: int, max_model_len: int | None = None) -> KvOptions:
+        """The options of this request on a prompt of ``num_prompt_tokens`` tokens.
+
+        Raises:
+            KvOptionsError: ``kv_compress_at`` past the prompt, a budget or window beyond the
+                context, or a budget that leaves no room beyond the sinks and recent tokens.
+        """
+        if self.compress_at is not None and self.compress_at > num_prompt_tokens:
+            raise KvOptionsError(
+                "kv_compress_at",
+                f"{self.compress_at} exceeds the prompt length {num_prompt_tokens}",
+                self.compress_at,
+            )
+        base = self.compress_at or num_prompt_tokens
+        budget = self.budget
+        if not isinstance(budget, int):
+            budget = max(1, math.ceil(budget * base))
+        if max_model_len is not None and budget > max_model_len:
+            raise KvOptionsError(
+                "kv_budget",
+                f"{bounded(budget)} exceeds the model context length {max_model_len}",
+                budget,
+            )
+        if max_model_len is not None and self.window > max_model_len:
+            raise KvOptionsError(
+                "kv_window",
+                f"{bounded(self.window)} exceeds the model context length {max_model_len}",
+                self.window,
+            )
+        _check_room(budget, self.sinks, self.recent)
+        return KvOptions(
+            budget=budget,
+            scorer=self.scorer,
+            pipeline=self.pipeline,
+            window=self.window,
+            recent=self.recent,
+            sinks=self.sinks,
+            decode=self.decode,
+            compress_at=self.compress_at,
+            per_head=self.per_head,
+            prefill_evict=self.prefill_evict,
+            requested_budget=self.budget,
+        )
+
+
+def _check_room(budget: int, sinks: int, recent: int) -> None:
+    if sinks + recent >= budget:
+        raise KvOptionsError(
+            "kv_budget",
+            f"budget {budget} must exceed kv_sinks + kv_recent = {sinks + recent}",
+            budget,
+        )
+
 
 def _known_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
     from obcache_vllm.scoring import PIPELINE_NAMES, SCORER_NAMES
 
     return tuple(SCORER_NAMES), tuple(PIPELINE_NAMES)
+
+
+def _check_scalar(key: str, value: Any) -> None:
+    """A JSON scalar, an int within int64, a finite float (vLLM's transport carries int64)."""
+    if value is not None and not isinstance(value, (str, int, float, bool)):
+        raise KvOptionsError(key, f"must be a scalar, got {type(value).__name__}", value)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+        raise KvOptionsError(key, "out of range", value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise KvOptionsError(key, "must be finite", value)
 
 
 def _int_field(raw: Mapping[str, Any], field: str, default: int, minimum: int) -> int:
@@ -180,7 +325,7 @@ def _bool_field(raw: Mapping[str, Any], field: str, default: bool) -> bool:
     raise KvOptionsError(field, "must be a boolean", value)
 
 
-def _resolve_budget(value: Any, num_prompt_tokens: int) -> int:
+def _budget_field(value: Any) -> int | float:
     field = "kv_budget"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise KvOptionsError(field, "must be an integer >= 1 or a fraction in (0, 1]", value)
@@ -194,28 +339,23 @@ def _resolve_budget(value: Any, num_prompt_tokens: int) -> int:
         return int(value)
     if not 0.0 < value <= 1.0:
         raise KvOptionsError(field, "a fractional budget must lie in (0, 1]", value)
-    return max(1, math.ceil(value * num_prompt_tokens))
+    return value
 
 
-def parse_kv_options(
-    extra_args: Mapping[str, Any] | None,
-    num_prompt_tokens: int,
-    max_model_len: int | None = None,
-) -> KvOptions | None:
-    """Parse and validate the kv_* options of one request; ``None`` if it has no budget.
+def parse_request(raw: Mapping[str, Any] | None) -> KvRequest | None:
+    """Parse and check the kv_* fields of one request; ``None`` if it sets no budget.
 
-    Deterministic and side-effect free, so the front-end (validation), the scheduler and the
-    worker each call it on the same ``extra_args`` and agree on the result.
+    The one parser of request options: the front end calls it once per request (see
+    :mod:`obcache_vllm.vllm_ext.frontend.admission`). ``raw`` may hold other keys (a
+    request's ``extra_args``); only ``kv_*`` ones are read.
 
     Raises:
         KvOptionsError: an unknown ``kv_*`` key, or a value out of its domain.
     """
-    raw = dict(extra_args or {})
-    unknown = sorted(
-        k
-        for k in raw
-        if k.startswith("kv_") and k not in WIRE_FIELDS and k not in FOREIGN_KV_KEYS
-    )
+    raw = {k: v for k, v in (raw or {}).items() if is_kv_option(k)}
+    for key, value in raw.items():
+        _check_scalar(key, value)
+    unknown = sorted(k for k in raw if k not in WIRE_FIELDS)
     if unknown:
         raise KvOptionsError(
             unknown[0], f"unknown option; known: {', '.join(WIRE_FIELDS)}", raw[unknown[0]]
@@ -229,21 +369,8 @@ def parse_kv_options(
     compress_at = None
     if raw.get("kv_compress_at") is not None:
         compress_at = _int_field(raw, "kv_compress_at", 0, 1)
-        if compress_at > num_prompt_tokens:
-            raise KvOptionsError(
-                "kv_compress_at",
-                f"{compress_at} exceeds the prompt length {num_prompt_tokens}",
-                compress_at,
-            )
-    budget = _resolve_budget(raw["kv_budget"], compress_at or num_prompt_tokens)
-    if max_model_len is not None and budget > max_model_len:
-        raise KvOptionsError(
-            "kv_budget",
-            f"{bounded(budget)} exceeds the model context length {max_model_len}",
-            budget,
-        )
-    opts = KvOptions(
-        budget=budget,
+    request = KvRequest(
+        budget=_budget_field(raw["kv_budget"]),
         scorer=_name_field(raw, "kv_scorer", DEFAULT_SCORER, scorers),
         pipeline=_name_field(raw, "kv_pipeline", DEFAULT_PIPELINE, pipelines),
         window=_int_field(raw, "kv_window", DEFAULT_WINDOW, 1),
@@ -254,38 +381,42 @@ def parse_kv_options(
         per_head=_bool_field(raw, "kv_per_head", True),
         prefill_evict=_bool_field(raw, "kv_prefill_evict", False),
     )
-    if max_model_len is not None and opts.window > max_model_len:
-        raise KvOptionsError(
-            "kv_window",
-            f"{bounded(opts.window)} exceeds the model context length {max_model_len}",
-            opts.window,
-        )
-    if opts.sinks + opts.recent >= opts.budget:
-        raise KvOptionsError(
-            "kv_budget",
-            f"budget {opts.budget} must exceed kv_sinks + kv_recent = {opts.sinks + opts.recent}",
-            opts.budget,
-        )
-    return opts
+    if isinstance(request.budget, int):  # a fraction is checked when it is resolved
+        _check_room(request.budget, request.sinks, request.recent)
+    return request
 
 
-def parse_validated_kv_options(
+def parse_kv_options(
     extra_args: Mapping[str, Any] | None,
     num_prompt_tokens: int,
     max_model_len: int | None = None,
 ) -> KvOptions | None:
-    """:func:`parse_kv_options` for code behind the front-end's validation (scheduler, worker).
+    """:func:`parse_request` then :meth:`KvRequest.resolve`: one request's options, or None.
 
-    Requests are validated before they reach the engine; one that was not (e.g. a pre-built
-    ``EngineCoreRequest``) and is invalid is served as a stock request rather than crashing the
-    engine. Deterministic, so scheduler and worker still agree.
+    For callers that hold the fields and the prompt together (the HF reference, the server
+    config's validation, tests); a served request takes the two steps at the front end.
     """
-    try:
-        return parse_kv_options(extra_args, num_prompt_tokens, max_model_len)
-    except KvOptionsError as exc:
-        import logging
+    request = parse_request(extra_args)
+    return None if request is None else request.resolve(num_prompt_tokens, max_model_len)
 
-        logging.getLogger(__name__).error(
-            "ignoring invalid kv options (%s); serving unbudgeted", exc
-        )
+
+def admitted_options(extra_args: Mapping[str, Any] | None) -> KvOptions | None:
+    """The options the front end admitted for a request, decoded (EngineCore and worker).
+
+    ``None`` for a stock request (no kv_* field, no admitted form).
+
+    Raises:
+        WireError: kv_* fields without an admitted form (the request bypassed the front end's
+            admission), or a form that does not decode. Never served unbudgeted: a fault.
+    """
+    if not extra_args:
         return None
+    if ADMITTED_KEY in extra_args:
+        return KvOptions.from_wire(extra_args[ADMITTED_KEY])
+    fields = [k for k in extra_args if is_kv_option(k)]
+    if fields:
+        raise WireError(
+            f"{fields[0]} set but no admitted options: the request bypassed obcache-vllm's "
+            "admission (the input processor)"
+        )
+    return None

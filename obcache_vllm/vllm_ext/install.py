@@ -17,13 +17,16 @@ rather than silently compacting KV through a changed interface. Then, process-lo
   own pinned seams): ``gpu_worker.Worker._make_model_runner`` builds
   :class:`~obcache_vllm.vllm_ext.worker.backends.flash_attn.OBCacheGPUModelRunner` on the V1 path,
   and ``AttentionBackendEnum.FLASH_ATTN`` -> ``OBCacheFlashAttnBackend``.
-* ``InputProcessor.process_inputs``: kv_* options are validated in the front-end, before the
-  request reaches the engine (``VLLMValidationError`` -> HTTP 400), including configurations
-  and requests that cannot evict (they refuse budgeted requests only; see ``support.py``).
-* ``SchedulerStats`` gains an ``obcache`` field (every process; see ``stats.py``).
+* ``InputProcessor.process_inputs``: the last step of admission
+  (:func:`~obcache_vllm.vllm_ext.frontend.admission.admit_engine_request`): a request leaves
+  the front end with its admitted options in their wire form, or is refused with a 400. The
+  refusals that depend on other processes' classes (the platform's attention adapter, the
+  scheduler EngineCore builds) are bound here (:func:`~obcache_vllm.vllm_ext.frontend.
+  admission.bind`), so the front end imports neither.
+* ``SchedulerStats`` gains an ``obcache`` field (every process; see :mod:`.wire`).
 * vLLM's start-up check of the KV pool against ``max_model_len`` is relaxed as far as
-  ``kv_prefill_evict`` makes safe, and requests that can never fit get a 400
-  (:mod:`~obcache_vllm.vllm_ext.frontend.capacity`).
+  ``kv_prefill_evict`` makes safe (:mod:`~obcache_vllm.vllm_ext.engine.pool_check`), and
+  requests that can never fit get a 400 (:mod:`~obcache_vllm.vllm_ext.frontend.capacity`).
 * In the process that serves the OpenAI API (vLLM's app builder is loaded when the plugin
   starts; decided before anything is imported, so EngineCore and workers never import the
   server's modules on our behalf):
@@ -38,7 +41,7 @@ import functools
 import logging
 import sys
 
-from obcache_vllm.vllm_ext.frontend.admission import check_capacity, validate_request
+from obcache_vllm.vllm_ext.frontend import admission
 from obcache_vllm.vllm_ext.patching import patch_method
 from obcache_vllm.vllm_ext.seams import (  # noqa: F401  (re-exported: tests, adapters)
     API_SERVER_MODULE,
@@ -59,12 +62,34 @@ def _wrap_process_inputs(original):
     @functools.wraps(original)
     def process_inputs(self, *args, **kwargs):
         request = original(self, *args, **kwargs)
-        validate_request(self.vllm_config, request)
-        check_capacity(self.vllm_config, request)
+        admission.admit_engine_request(self.vllm_config, request)
         return request
 
     process_inputs.__obcache_wrapped__ = True
     return process_inputs
+
+
+def scheduler_refusal(scheduler_config) -> str | None:
+    """Why EngineCore would build a scheduler that never evicts, or None (bound into the
+    front end's admission: it decides from the config without importing the class itself)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
+
+    try:
+        cls = scheduler_config.get_scheduler_cls()
+    except Exception as exc:  # a user class that does not import here
+        return f"--scheduler-cls {scheduler_config.scheduler_cls!r} could not be checked ({exc})"
+    # vLLM's own Scheduler is what EngineCore replaces by OBCacheScheduler.
+    if cls is Scheduler or (isinstance(cls, type) and issubclass(cls, OBCacheScheduler)):
+        return None
+    name = scheduler_config.scheduler_cls
+    if not isinstance(name, str):
+        name = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
+    return (
+        f"--scheduler-cls {name} is not supported with kv_budget: it must be (a subclass of) "
+        "obcache_vllm.vllm_ext.engine.scheduler.OBCacheScheduler"
+    )
 
 
 def _wrap_get_scheduler_cls(original):
@@ -139,7 +164,8 @@ def install() -> bool:
 
     patch_method(SchedulerConfig, "get_scheduler_cls", _wrap_get_scheduler_cls)
     patch_method(InputProcessor, "process_inputs", _wrap_process_inputs)
-    from obcache_vllm.vllm_ext.worker.backends import install_platform_backend
+    from obcache_vllm.vllm_ext.worker.backends import install_platform_backend, platform_refusal
 
+    admission.bind(platform=platform_refusal(), scheduler=scheduler_refusal)
     install_platform_backend()
     return serving

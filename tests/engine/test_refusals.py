@@ -1,4 +1,4 @@
-"""What budgeted requests are refused with (support.py), on real vLLM config objects.
+"""What budgeted requests are refused with (admission.py), on real vLLM config objects.
 
 Each case is a shallow copy of the session engine's real ``VllmConfig`` with one real
 sub-config (itself a copy) changed, so the checks read vLLM's own attributes and properties
@@ -23,8 +23,20 @@ from helpers import ENGINE_KWARGS
 
 from obcache_vllm.options import KvOptionsError
 from obcache_vllm.vllm_ext.frontend import admission as support
+from obcache_vllm.vllm_ext.frontend.server import admit_rendered_prompt
 
 BUDGET = {"kv_budget": 64}
+
+
+def check_rendered_prompt(handler, inputs, fields):
+    """The server's admission of one rendered prompt, for a request with these kv_* fields."""
+    from types import SimpleNamespace
+
+    from obcache_vllm.options import ADMITTED_KEY, parse_request
+
+    request = parse_request(fields)
+    extra = {} if request is None else {ADMITTED_KEY: request}
+    admit_rendered_prompt(handler, inputs, SimpleNamespace(extra_args=extra, max_tokens=8))
 
 
 def _copy(obj, **attrs):
@@ -111,11 +123,11 @@ def test_unsupported_configuration_refuses_budgets_only(llm, change, needle):
     reason = support.unsupported_reason(fake)
     assert reason is not None and needle in reason, reason
     with pytest.raises(KvOptionsError) as info:
-        support.check_request(fake, BUDGET, 500)
+        support.admit_fields(fake, BUDGET, 500)
     assert info.value.field == "kv_budget" and str(info.value) == f"kv_budget: {reason}"
     # Without a budget the request is a stock one: never refused.
-    assert support.check_request(fake, None, 500) is None
-    assert support.check_request(fake, {"vllm_other": 1}, 500) is None
+    assert support.admit_fields(fake, None, 500) is None
+    assert support.admit_fields(fake, {"vllm_other": 1}, 500) is None
 
 
 @pytest.mark.parametrize(
@@ -135,7 +147,7 @@ def test_our_scheduler_and_its_subclasses_are_accepted(llm, scheduler_cls):
         config, scheduler_config=_copy(config.scheduler_config, scheduler_cls=scheduler_cls)
     )
     assert support.unsupported_reason(fake) is None
-    assert support.check_request(fake, BUDGET, 500).budget == 64
+    assert support.admit_fields(fake, BUDGET, 500).budget == 64
 
 
 def test_shared_ranking_is_refused_under_tensor_parallelism_only(llm):
@@ -143,20 +155,20 @@ def test_shared_ranking_is_refused_under_tensor_parallelism_only(llm):
     tp2 = _copy(config, parallel_config=_copy(config.parallel_config, tensor_parallel_size=2))
     shared = {**BUDGET, "kv_per_head": False}
     with pytest.raises(KvOptionsError) as info:
-        support.check_request(tp2, shared, 500)
+        support.admit_fields(tp2, shared, 500)
     assert info.value.field == "kv_per_head" and "tensor_parallel_size=2" in str(info.value)
-    assert support.check_request(tp2, {**BUDGET, "kv_per_head": True}, 500).per_head
-    assert support.check_request(tp2, BUDGET, 500).per_head  # the built-in default: per head
-    assert not support.check_request(config, shared, 500).per_head  # TP 1: fine
+    assert support.admit_fields(tp2, {**BUDGET, "kv_per_head": True}, 500).per_head
+    assert support.admit_fields(tp2, BUDGET, 500).per_head  # the built-in default: per head
+    assert not support.admit_fields(config, shared, 500).per_head  # TP 1: fine
 
 
 def test_window_beyond_the_context_is_refused(llm):
     config = llm.llm_engine.vllm_config
     context = config.model_config.max_model_len
     with pytest.raises(KvOptionsError) as info:
-        support.check_request(config, {**BUDGET, "kv_window": context + 1}, 500)
+        support.admit_fields(config, {**BUDGET, "kv_window": context + 1}, 500)
     assert info.value.field == "kv_window" and str(context) in str(info.value)
-    assert support.check_request(config, {**BUDGET, "kv_window": context}, 500).window == context
+    assert support.admit_fields(config, {**BUDGET, "kv_window": context}, 500).window == context
 
 
 def test_prompt_embeds_requests_are_refused_at_both_front_end_checks(llm):
@@ -168,8 +180,6 @@ def test_prompt_embeds_requests_are_refused_at_both_front_end_checks(llm):
     from vllm.exceptions import VLLMValidationError
     from vllm.inputs.engine import embeds_input, tokens_input
     from vllm.v1.engine import EngineCoreRequest
-
-    from obcache_vllm.vllm_ext.frontend.server import check_rendered_prompt
 
     config = llm.llm_engine.vllm_config
     embeds = torch.zeros(300, config.model_config.get_hidden_size())
@@ -189,12 +199,12 @@ def test_prompt_embeds_requests_are_refused_at_both_front_end_checks(llm):
         )
 
     with pytest.raises(VLLMValidationError) as info:
-        support.validate_request(config, request(BUDGET))
+        support.admit_engine_request(config, request(BUDGET))
     assert info.value.parameter == "kv_budget" and "prompt embeddings" in str(info.value)
-    support.validate_request(config, request(None))  # no budget: stock
+    support.admit_engine_request(config, request(None))  # no budget: stock
     # The prompt length counts the embeddings: a 300-token fraction, as for token ids.
     with pytest.raises(VLLMValidationError, match="kv_budget: a fractional"):
-        support.validate_request(config, request({"kv_budget": 1.5}))
+        support.admit_engine_request(config, request({"kv_budget": 1.5}))
 
     class Handler:  # the attributes a generate handler has; vLLM's own extraction method
         model_config = config.model_config

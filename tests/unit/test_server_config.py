@@ -154,15 +154,15 @@ def test_requested_fields_top_level_over_vllm_xargs_and_foreign_keys_ignored() -
         pytest.param({"kv_budget": 20, "kv_sinks": 4, "kv_recent": 16}, "kv_budget", id="sinks"),
     ],
 )
-def test_prevalidate_names_the_field(merged: dict, field: str) -> None:
+def test_parsing_names_the_field(merged: dict, field: str) -> None:
     with pytest.raises(options.KvOptionsError) as info:
-        server.prevalidate(merged)
+        options.parse_request(merged)
     assert info.value.field == field
 
 
-def test_prevalidate_leaves_prompt_dependent_checks_to_the_input_processor() -> None:
+def test_parsing_leaves_prompt_dependent_checks_to_admission() -> None:
     # 0.01 of a short prompt is below kv_sinks + kv_recent; only the real prompt can tell.
-    server.prevalidate({"kv_budget": 0.01})
+    options.parse_request({"kv_budget": 0.01})
     with pytest.raises(options.KvOptionsError):
         options.parse_kv_options({"kv_budget": 0.01}, num_prompt_tokens=100)
 

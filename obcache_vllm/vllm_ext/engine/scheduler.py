@@ -50,7 +50,7 @@ from obcache_vllm.eviction.sched_state import (
     SchedulerEvictionTotals,
     log_fault,
 )
-from obcache_vllm.options import parse_validated_kv_options
+from obcache_vllm.options import WireError, admitted_options
 from obcache_vllm.vllm_ext.wire import (
     DISABLED_ATTR,
     ORDERS_ATTR,
@@ -79,6 +79,10 @@ class OBCacheScheduler(Scheduler):
         self._obcache_pending_finished: deque[FinishedKvRecord] = deque(maxlen=_PENDING_MAX)
         # Outcomes of budgeted requests freed during the current update_from_output.
         self._obcache_step_outcomes: dict[str, dict] = {}
+        # Requests refused at add_request (no usable admitted options), and requests finished
+        # with an error whose outputs the next update_from_output reports.
+        self._obcache_refused: list[str] = []
+        self._obcache_errored: list = []
         coordinator = self.kv_cache_manager.coordinator
         cache_blocks = coordinator.cache_blocks
 
@@ -119,9 +123,13 @@ class OBCacheScheduler(Scheduler):
         params = request.sampling_params
         options = None
         if params is not None and request.request_id not in self.requests:
-            options = parse_validated_kv_options(
-                params.extra_args, request.num_prompt_tokens, self.max_model_len
-            )
+            try:
+                options = admitted_options(params.extra_args)
+            except WireError as exc:
+                self._count_failure("admission", "wire")
+                log_fault(request.request_id, "admission", "wire", str(exc),
+                          "finished with an error before it ran")  # fmt: skip
+                self._obcache_refused.append(request.request_id)
         if options is not None:
             request.skip_reading_prefix_cache = True
             self.obcache_states[request.request_id] = SchedKvState(
@@ -132,6 +140,10 @@ class OBCacheScheduler(Scheduler):
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):
+        if self._obcache_refused:  # never scheduled: finished now, reported in this step
+            refused, self._obcache_refused = self._obcache_refused, []
+            finished = self.finish_requests(refused, RequestStatus.FINISHED_ERROR)
+            self._obcache_errored.extend(finished)
         output = super().schedule(*args, **kwargs)
         orders, disabled = {}, []
         for req_id in output.num_scheduled_tokens:  # values change below, keys do not
@@ -242,7 +254,9 @@ class OBCacheScheduler(Scheduler):
                     )  # fmt: skip
                 if failure.fatal:
                     torn.append(failure.req_id)
-        errored = self.finish_requests(torn, RequestStatus.FINISHED_ERROR) if torn else []
+        errored, self._obcache_errored = self._obcache_errored, []
+        if torn:
+            errored += self.finish_requests(torn, RequestStatus.FINISHED_ERROR)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for request in errored:  # as vLLM reports its own per-request errors
             eco = outputs.get(request.client_index)

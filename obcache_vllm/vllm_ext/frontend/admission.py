@@ -1,17 +1,26 @@
-"""What a budgeted request can be served with: refused at the front end, never in the engine.
+"""Admission: a request's kv_* options parsed, resolved, refused or admitted once, up front.
 
-A request with a ``kv_budget`` is checked twice before anything is allocated for it, each time
-with the same function (:func:`check_request`):
+Where each step runs (API-server process; the offline ``LLM``'s own process)::
 
-* by the OpenAI server's generate handlers (``server._wrap_log_inputs``), on the rendered
-  prompt, before the stream starts: a refusal is an HTTP 400 for streams too;
-* by vLLM's input processor (:func:`validate_request`, patched in by ``install``), for every
-  front end including offline ``LLM``.
+  HTTP body ─ to_sampling_params (server.py) ─ parse_request ─▶ KvRequest in extra_args["obcache"]
+                                  │  (kv_* fields + server defaults; the one parse)
+  rendered prompt ─ _log_inputs (server.py) ─ admit(KvRequest, prompt) ─▶ Admitted
+                                  │  (resolve, refusals, capacity: a 400 before a stream starts)
+  InputProcessor.process_inputs ─ admit_engine_request ─▶ the wire tuple in extra_args["obcache"]
+      (offline LLM: raw kv_* extra_args are parsed and admitted here, in one step)
+                                  │
+  EngineCore (scheduler) and worker: KvOptions.from_wire, never re-validated; a request with
+  kv_* fields but no (or a broken) wire form is a counted fault there, never silently stock.
 
 A refusal is a :class:`~obcache_vllm.options.KvOptionsError` naming the field (``kv_budget``
 for what the engine cannot do, ``kv_per_head`` for the per-layer ranking under tensor
-parallelism), which the edge turns into ``VLLMValidationError`` (HTTP 400). Requests without a
-budget are never refused: they are stock vLLM requests.
+parallelism); :func:`rejected` is the one conversion into vLLM's ``VLLMValidationError``
+(HTTP 400), counted by field. Requests without a budget are never refused for their options:
+they are stock vLLM requests (only a pool smaller than the context can make one unservable).
+
+What the engine configuration refuses is decided from data: the generic checks below read
+``vllm_config``; the platform's attention-backend adapter and the scheduler-class check are
+bound at install time (:func:`bind`), so this module imports no EngineCore or worker class.
 
 Refused with a budget, and why:
 
@@ -19,7 +28,8 @@ Refused with a budget, and why:
 configuration                     why eviction cannot run (or cannot run correctly)
 ================================  ==========================================================
 platform / backend settings       the adapter's own refusals: none on CPU; on CUDA those of
-                                  FLASH_ATTN (README, "GPUs"); other platforms: no adapter
+                                  FLASH_ATTN (see the GPU settings in the docs); other
+                                  platforms: no adapter
 speculative decoding              rejected drafts roll back KV that may have been compacted
 KV connectors / offloading        they assume positional block contents
 quantized KV cache                scoring needs the scales; the layout probe is per dtype
@@ -43,17 +53,62 @@ prompt embeddings                 the worker tracks token-id prompts only: sched
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from obcache_vllm.options import KvOptions, KvOptionsError, parse_kv_options
+from obcache_vllm.options import (
+    ADMITTED_KEY,
+    KvOptions,
+    KvOptionsError,
+    KvRequest,
+    is_kv_option,
+    parse_request,
+)
+from obcache_vllm.vllm_ext.frontend.capacity import capacity_error
+
+Refusal = Callable[[Any], "str | None"]
+
+# Bound at install time (obcache_vllm.vllm_ext.install): the platform adapter's refusals and
+# the check that EngineCore will build a scheduler that evicts.
+_bound: dict[str, Refusal] = {}
+
+
+def bind(*, platform: Refusal, scheduler: Refusal) -> None:
+    """Bind the refusals that depend on classes of other processes (called by ``install``)."""
+    _bound["platform"] = platform
+    _bound["scheduler"] = scheduler
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request's options after :func:`admit`: resolved, not refused, fitting the pool.
+
+    Lives in ``extra_args["obcache"]`` between the server's prompt check and the input
+    processor, which replaces it by the wire tuple (only :func:`admit` makes one, so a client
+    cannot send it: a wire tuple or anything else under that key from outside is refused).
+    """
+
+    options: KvOptions
+
+
+def rejected(exc: KvOptionsError):
+    """The one conversion of a refusal into vLLM's ``VLLMValidationError`` (HTTP 400), counted
+    in ``vllm:obcache_rejected_requests_total`` by field."""
+    from vllm.exceptions import VLLMValidationError
+
+    from obcache_vllm.vllm_ext.frontend.stats import count_rejection
+
+    count_rejection(exc.field)
+    return VLLMValidationError(str(exc), parameter=exc.field, value=exc.shown_value)
 
 
 def unsupported_reason(vllm_config) -> str | None:
     """Why budgeted requests cannot be served by this engine configuration, or None."""
-    from obcache_vllm.vllm_ext.worker.backends import platform_unsupported_reason
-
-    reason = platform_unsupported_reason(vllm_config)  # the attention backend's adapter
+    platform = _bound.get("platform")
+    if platform is None:
+        return "obcache-vllm is not installed in this process (no platform adapter bound)"
+    reason = platform(vllm_config)
     if reason is not None:
         return reason
     if vllm_config.speculative_config is not None:
@@ -87,48 +142,28 @@ def unsupported_reason(vllm_config) -> str | None:
         )
     if vllm_config.use_v2_model_runner:
         return "the V2 model runner is not supported with kv_budget (VLLM_USE_V2_MODEL_RUNNER=0)"
-    return _scheduler_reason(vllm_config.scheduler_config)
-
-
-def _scheduler_reason(scheduler_config) -> str | None:
-    """The scheduler EngineCore builds must be ours (``install._wrap_get_scheduler_cls``)."""
-    if scheduler_config.async_scheduling:
+    if vllm_config.scheduler_config.async_scheduling:
         return "async scheduling is not supported with kv_budget (--no-async-scheduling)"
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
-
-    try:
-        cls = scheduler_config.get_scheduler_cls()
-    except Exception as exc:  # a user class that does not import here
-        return f"--scheduler-cls {scheduler_config.scheduler_cls!r} could not be checked ({exc})"
-    # vLLM's own Scheduler is what EngineCore replaces by OBCacheScheduler.
-    if cls is Scheduler or (isinstance(cls, type) and issubclass(cls, OBCacheScheduler)):
-        return None
-    name = scheduler_config.scheduler_cls
-    if not isinstance(name, str):
-        name = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
-    return (
-        f"--scheduler-cls {name} is not supported with kv_budget: it must be (a subclass of) "
-        "obcache_vllm.vllm_ext.engine.scheduler.OBCacheScheduler"
-    )
+    return _bound["scheduler"](vllm_config.scheduler_config)
 
 
-def check_request(
+def admit(
     vllm_config,
-    extra_args: Mapping[str, Any] | None,
+    request: KvRequest,
     num_prompt_tokens: int,
     *,
     prompt_embeds: bool = False,
-) -> KvOptions | None:
-    """The request's options, or ``None`` (no budget); raises ``KvOptionsError`` if refused.
+    max_tokens: int | None = None,
+) -> Admitted:
+    """Resolve ``request`` on its prompt, refuse what this engine cannot serve, check it fits.
 
     ``prompt_embeds``: the prompt carries embeddings (all or some of its positions).
+
+    Raises:
+        KvOptionsError: a bad option for this prompt, a refusal, or a request that can never
+            fit the KV pool (see :mod:`.capacity`).
     """
-    max_model_len = vllm_config.model_config.max_model_len
-    options = parse_kv_options(extra_args, num_prompt_tokens, max_model_len)
-    if options is None:
-        return None
+    options = request.resolve(num_prompt_tokens, vllm_config.model_config.max_model_len)
     reason = unsupported_reason(vllm_config)
     if reason is not None:
         raise KvOptionsError("kv_budget", reason, options.budget)
@@ -147,49 +182,98 @@ def check_request(
             "engine (each rank holds only its own KV heads' scores); use kv_per_head: true",
             False,
         )
-    return options
+    check_fits(vllm_config, num_prompt_tokens, max_tokens, options)
+    return Admitted(options)
 
 
-def validate_request(vllm_config, engine_request) -> None:
-    """Input-processor check of one ``EngineCoreRequest``; raises ``VLLMValidationError``."""
+def check_fits(vllm_config, num_prompt_tokens: int, max_tokens, options) -> None:
+    """Raise the :func:`~.capacity.capacity_error` of a request that can never fit the pool."""
+    error = capacity_error(vllm_config, num_prompt_tokens, max_tokens, options)
+    if error is not None:
+        raise error
+
+
+def admit_fields(vllm_config, fields: Mapping[str, Any] | None, num_prompt_tokens: int, **kw):
+    """:func:`parse_request` then :func:`admit` (offline use, tests): the options or None."""
+    request = parse_request(fields)
+    if request is None:
+        return None
+    return admit(vllm_config, request, num_prompt_tokens, **kw).options
+
+
+def admit_engine_request(vllm_config, engine_request) -> None:
+    """The input processor's step: the request leaves the front end with its wire form.
+
+    * ``Admitted`` (the server admitted it on the rendered prompt): encoded as is.
+    * ``KvRequest`` (parsed by the server, not admitted yet): admitted here.
+    * raw ``kv_*`` extra_args (offline ``LLM``): parsed and admitted here.
+    * anything else under the reserved key: refused.
+    * no options: a stock request; only the pool's size can refuse it.
+
+    The request's ``sampling_params`` is the input processor's own copy: its ``extra_args``
+    is replaced, never mutated (the caller's params may be shared across prompts).
+
+    Raises:
+        vllm.exceptions.VLLMValidationError: through :func:`rejected`.
+    """
     params = engine_request.sampling_params
-    if params is None or not params.extra_args:
+    if params is None:
         return
-    from vllm.exceptions import VLLMValidationError
+    extra = params.extra_args or {}
+    value = extra.get(ADMITTED_KEY)
+    has_fields = any(is_kv_option(k) for k in extra)
+    if value is None and not has_fields:
+        if pool_is_short(vllm_config):
+            _check_unbudgeted(vllm_config, engine_request)
+        return
     from vllm.utils import length_from_prompt_token_ids_or_embeds
 
     embeds = engine_request.prompt_embeds
     num_prompt = length_from_prompt_token_ids_or_embeds(engine_request.prompt_token_ids, embeds)
     try:
-        check_request(vllm_config, params.extra_args, num_prompt, prompt_embeds=embeds is not None)
+        if isinstance(value, Admitted):
+            admitted = value
+        elif value is not None and not isinstance(value, KvRequest):
+            raise KvOptionsError(ADMITTED_KEY, "is reserved for obcache-vllm's admission", value)
+        else:
+            request = value if value is not None else parse_request(extra)
+            if request is None:
+                return
+            admitted = admit(
+                vllm_config,
+                request,
+                num_prompt,
+                prompt_embeds=embeds is not None,
+                max_tokens=params.max_tokens,
+            )
     except KvOptionsError as exc:
-        from obcache_vllm.vllm_ext.frontend.stats import count_rejection
+        raise rejected(exc) from exc
+    rest = {k: v for k, v in extra.items() if not is_kv_option(k) and k != ADMITTED_KEY}
+    params.extra_args = {**rest, ADMITTED_KEY: admitted.options.to_wire()}
 
-        count_rejection(exc.field)
-        raise VLLMValidationError(str(exc), parameter=exc.field, value=exc.shown_value) from exc
+
+def pool_is_short(vllm_config) -> bool:
+    """Whether the pool holds less than one request of ``max_model_len`` tokens (only then
+    can a stock request be too big for it; vLLM's length checks cover the rest)."""
+    from obcache_vllm.vllm_ext.frontend.capacity import pool_blocks
+
+    usable = pool_blocks(vllm_config)
+    if usable is None:
+        return False
+    bs = vllm_config.cache_config.block_size
+    return usable * bs < vllm_config.model_config.max_model_len
 
 
-def check_capacity(vllm_config, engine_request) -> None:
-    """Input-processor check that the request can ever fit the KV pool (:mod:`.capacity`);
-    raises ``VLLMValidationError`` naming the field."""
-    params = engine_request.sampling_params
-    if params is None:
-        return
-    from vllm.exceptions import VLLMValidationError
+def _check_unbudgeted(vllm_config, engine_request) -> None:
     from vllm.utils import length_from_prompt_token_ids_or_embeds
-
-    from obcache_vllm.vllm_ext.frontend.capacity import capacity_error
 
     try:
         num_prompt = length_from_prompt_token_ids_or_embeds(
             engine_request.prompt_token_ids, engine_request.prompt_embeds
         )
-        options = parse_kv_options(params.extra_args, num_prompt)
-    except (ValueError, KvOptionsError):
-        return  # no prompt to hold, or refused by validate_request already
-    error = capacity_error(vllm_config, num_prompt, params.max_tokens, options)
-    if error is not None:
-        from obcache_vllm.vllm_ext.frontend.stats import count_rejection
-
-        count_rejection(error.field)
-        raise VLLMValidationError(str(error), parameter=error.field, value=error.shown_value)
+    except ValueError:
+        return  # no prompt to hold
+    try:
+        check_fits(vllm_config, num_prompt, engine_request.sampling_params.max_tokens, None)
+    except KvOptionsError as exc:
+        raise rejected(exc) from exc

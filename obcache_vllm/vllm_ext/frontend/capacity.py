@@ -1,19 +1,13 @@
-"""KV pools smaller than the context: who fits, a 400 for who does not, and the start-up check.
+"""Who fits a KV pool smaller than the context, and a 400 naming the field for who does not.
 
 Stock vLLM refuses to start when the KV pool cannot hold one request of ``max_model_len``
-tokens, because a request that outgrows the pool would wait (or be preempted) forever. With
-``kv_prefill_evict`` a budgeted request holds at most its bounded peak
-(:func:`obcache_vllm.eviction.planning.peak_blocks`), so a pool smaller than the context can serve
-prompts longer than itself. The plugin therefore:
-
-* relaxes the start-up check only as far as that is safe: the pool must still hold one full
-  prefill chunk (``max_num_batched_tokens``) plus two blocks (the smallest bounded peak); a
-  smaller pool is refused exactly as stock vLLM refuses it. A warning says what was relaxed.
-* refuses, with a 400 naming the field, every request whose worst case does not fit the pool
-  (:func:`capacity_error`): a stock request (prompt + ``max_tokens``), a budgeted one whose
-  prompt must be held whole (no ``kv_prefill_evict``), or one whose bounded peak is too big.
-  In a pool that holds ``max_model_len`` tokens this never triggers: vLLM's own length checks
-  already imply it.
+tokens. With ``kv_prefill_evict`` a budgeted request holds at most its bounded peak
+(:func:`obcache_vllm.eviction.planning.peak_blocks`), so the plugin relaxes that start-up check
+(:mod:`obcache_vllm.vllm_ext.engine.pool_check`) and refuses at admission, with a 400 naming the
+field, every request whose worst case does not fit the pool (:func:`capacity_error`): a stock
+request (prompt + ``max_tokens``), a budgeted one whose prompt must be held whole (no
+``kv_prefill_evict``), or one whose bounded peak is too big. In a pool that holds
+``max_model_len`` tokens this never triggers: vLLM's own length checks already imply it.
 """
 
 from __future__ import annotations

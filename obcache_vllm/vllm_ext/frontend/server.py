@@ -4,22 +4,24 @@ Installed by :func:`install_server` in the process that runs vLLM's OpenAI serve
 calls it where vLLM's app builder is loaded; ``obcache-vllm serve`` calls it explicitly).
 vLLM's own server and protocol stay in charge; the patches only:
 
-* ``ChatCompletionRequest.to_sampling_params`` / ``CompletionRequest.to_sampling_params``: lift
-  the kv_* options from top-level request fields (kept by vLLM's pydantic models in
-  ``model_extra``) and from ``vllm_xargs`` (top-level wins) into ``SamplingParams.extra_args``,
-  over the server defaults (:mod:`obcache_vllm.config`). Everything that does not depend on the
-  prompt length is validated here, so a bad option is an HTTP 400 naming the field for
-  streaming requests too, before anything is sent to the engine.
-* ``BaseServing._log_inputs``: the checks that need the tokenized prompt (a fractional budget
-  that rounds to nothing, a budget or window beyond the context, ``kv_compress_at`` past the
-  prompt) and the refusals of :mod:`~obcache_vllm.vllm_ext.frontend.admission` (a budget this engine
-  configuration or this request, e.g. one with prompt embeddings, cannot serve). This
-  is the one call of every generate handler where the rendered prompt and the request's
-  ``SamplingParams`` meet, synchronously, before ``engine_client.generate``; raising there
-  becomes vLLM's HTTP 400 even for a stream, whose 200 is sent only after the handler returns.
-  The input processor (``install.validate_request``) repeats the check for offline ``LLM`` use.
+* ``ChatCompletionRequest.to_sampling_params`` / ``CompletionRequest.to_sampling_params``:
+  collect the kv_* options from top-level request fields (kept by vLLM's pydantic models in
+  ``model_extra``) and from ``vllm_xargs`` (top-level wins), over the server defaults
+  (:mod:`obcache_vllm.config`), and parse them: the request's one
+  :func:`~obcache_vllm.options.parse_request`. The parsed :class:`~obcache_vllm.options.
+  KvRequest` replaces the raw fields in ``SamplingParams.extra_args``. A request that sets no
+  kv_* field (and meets no default budget) is left exactly as vLLM made it.
+* ``to_beam_search_params``: beam search builds its own sampling requests, so explicit kv_*
+  fields with ``use_beam_search`` are a 400 (server defaults do not apply to it).
+* ``BaseServing._log_inputs``: admission on the rendered prompt
+  (:func:`~obcache_vllm.vllm_ext.frontend.admission.admit`: the budget resolved, the
+  refusals, the pool's capacity). This is the one call of every generate handler where the
+  rendered prompt and the request's ``SamplingParams`` meet, synchronously, before
+  ``engine_client.generate``; raising there becomes vLLM's HTTP 400 even for a stream, whose
+  200 is sent only after the handler returns. The input processor then only encodes the
+  admitted options (``admission.admit_engine_request``).
 * The chat/completion response builders: the scheduler puts each budgeted request's KV outcome
-  on its outputs (``kv_transfer_params["obcache"]``, see ``scheduler.OUTCOME_KEY``); it is taken
+  on its outputs (``kv_transfer_params["obcache"]``, see ``wire.OUTCOME_KEY``); it is taken
   off there (the response's ``kv_transfer_params`` stays as stock vLLM makes it) and reported
   as ``usage.obcache``: in the response, or in the final usage chunk of a stream
   (``stream_options.include_usage``).
@@ -31,12 +33,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from obcache_vllm import config, options
-from obcache_vllm.vllm_ext.frontend import admission as support
+from obcache_vllm.options import ADMITTED_KEY, KvOptionsError, KvRequest, is_kv_option
+from obcache_vllm.vllm_ext.frontend import admission
 from obcache_vllm.vllm_ext.patching import patch_method
 from obcache_vllm.vllm_ext.wire import OUTCOME_KEY
 
@@ -73,11 +75,6 @@ def reset_defaults(defaults: dict[str, Any] | None = None) -> None:
 # --- request fields -> SamplingParams.extra_args --------------------------------------------
 
 
-def is_kv_option(key: str) -> bool:
-    """A kv_* request option (``kv_transfer_params`` is vLLM's own field, not ours)."""
-    return key.startswith("kv_") and key not in options.FOREIGN_KV_KEYS
-
-
 def requested_kv_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping[str, Any] | None):
     """The kv_* fields a request set: ``vllm_xargs`` first, top-level fields over them."""
     fields = {k: v for k, v in (vllm_xargs or {}).items() if is_kv_option(k)}
@@ -85,111 +82,102 @@ def requested_kv_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping
     return fields
 
 
-def check_scalars(fields: Mapping[str, Any]) -> None:
-    """Each value a JSON scalar within int64 and finite; raises :class:`options.KvOptionsError`."""
-    for key, value in fields.items():
-        if value is not None and not isinstance(value, (str, int, float, bool)):
-            kind = type(value).__name__
-            raise options.KvOptionsError(key, f"must be a scalar, got {kind}", value)
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
-            raise options.KvOptionsError(key, "out of range", value)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise options.KvOptionsError(key, "must be finite", value)
-
-
-def prevalidate(merged: Mapping[str, Any]) -> None:
-    """Every check that does not need the prompt; raises :class:`options.KvOptionsError`."""
-    check_scalars(merged)
-    # A fraction is checked against the longest prompt here; per prompt in the input processor.
-    options.parse_kv_options(merged, num_prompt_tokens=1 << 30)
-
-
-def _reject(exc: options.KvOptionsError):
-    from vllm.exceptions import VLLMValidationError
-
-    from obcache_vllm.vllm_ext.frontend.stats import count_rejection
-
-    count_rejection(exc.field)
-    return VLLMValidationError(str(exc), parameter=exc.field, value=exc.shown_value)
-
-
-def check_rendered_prompt(serving, inputs, extra_args: Mapping[str, Any]) -> None:
-    """The checks of ``support.check_request`` on one rendered prompt of a generate handler.
+def parse_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping[str, Any] | None):
+    """The request's :class:`KvRequest` (its fields over the server defaults), or None.
 
     Raises:
-        options.KvOptionsError: a bad option, or a budget this engine or request cannot serve.
+        KvOptionsError: a bad field, or the reserved key sent by the client.
     """
-    components = serving._extract_prompt_components(inputs)
-    token_ids, embeds = components.token_ids, components.embeds
-    if token_ids is not None:
-        num_prompt = len(token_ids)
-    else:
-        num_prompt = len(embeds) if embeds is not None else 0
+    if vllm_xargs and ADMITTED_KEY in vllm_xargs:
+        raise KvOptionsError(
+            "vllm_xargs", f"the key {ADMITTED_KEY!r} is reserved for obcache-vllm", ADMITTED_KEY
+        )
+    requested = requested_kv_fields(vllm_xargs, top_level)
+    return options.parse_request(config.merge_request(server_defaults(), requested))
+
+
+def _wrap_to_sampling_params(original):
+    @functools.wraps(original)
+    def to_sampling_params(self, *args, **kwargs):
+        try:
+            # Before vLLM's own checks: its range check of extra_args would reject an int
+            # beyond 64 bits in vllm_xargs as "extra_args", without naming the kv_* field.
+            request = parse_fields(self.vllm_xargs, self.model_extra)
+        except KvOptionsError as exc:
+            raise admission.rejected(exc) from exc
+        params = original(self, *args, **kwargs)
+        extra = params.extra_args or {}
+        if request is None and not any(is_kv_option(k) for k in extra):
+            return params  # a stock request, untouched
+        rest = {k: v for k, v in extra.items() if not is_kv_option(k)}
+        if request is not None:
+            rest[ADMITTED_KEY] = request
+        params.extra_args = rest or None
+        return params
+
+    to_sampling_params.__obcache_wrapped__ = True
+    return to_sampling_params
+
+
+def _wrap_to_beam_search_params(original):
+    @functools.wraps(original)
+    def to_beam_search_params(self, *args, **kwargs):
+        requested = requested_kv_fields(self.vllm_xargs, self.model_extra)
+        if requested:
+            field = next(iter(requested))
+            raise admission.rejected(
+                KvOptionsError(field, "is not supported with use_beam_search", requested[field])
+            )
+        return original(self, *args, **kwargs)
+
+    to_beam_search_params.__obcache_wrapped__ = True
+    return to_beam_search_params
+
+
+def admit_rendered_prompt(serving, inputs, params) -> None:
+    """Admission of one rendered prompt of a generate handler (see the module docstring).
+
+    Raises:
+        KvOptionsError: a bad option for this prompt, a refusal, or a request that can never
+            fit the KV pool.
+    """
     vllm_config = getattr(getattr(serving, "engine_client", None), "vllm_config", None)
-    if vllm_config is None:  # not a generate handler of AsyncLLM: the prompt checks only
-        options.parse_kv_options(extra_args, num_prompt, serving.model_config.max_model_len)
+    if vllm_config is None:  # not a generate handler of AsyncLLM: the input processor admits
         return
-    support.check_request(vllm_config, extra_args, num_prompt, prompt_embeds=embeds is not None)
+    extra = getattr(params, "extra_args", None)  # None for beam search and pooling
+    request = extra.get(ADMITTED_KEY) if extra else None
+    if isinstance(request, KvRequest):
+        components = serving._extract_prompt_components(inputs)
+        token_ids, embeds = components.token_ids, components.embeds
+        if token_ids is not None:
+            num_prompt = len(token_ids)
+        else:
+            num_prompt = len(embeds) if embeds is not None else 0
+        extra[ADMITTED_KEY] = admission.admit(
+            vllm_config,
+            request,
+            num_prompt,
+            prompt_embeds=embeds is not None,
+            max_tokens=params.max_tokens,
+        )
+    elif hasattr(params, "extra_args") and admission.pool_is_short(vllm_config):
+        token_ids = serving._extract_prompt_components(inputs).token_ids
+        if token_ids is not None:
+            admission.check_fits(vllm_config, len(token_ids), params.max_tokens, None)
 
 
 def _wrap_log_inputs(original):
     @functools.wraps(original)
     def _log_inputs(self, request_id, inputs, *args, **kwargs):
         params = kwargs["params"] if "params" in kwargs else (args[0] if args else None)
-        extra = getattr(params, "extra_args", None)  # None for beam search and pooling
-        if extra and any(is_kv_option(k) for k in extra):
-            try:
-                check_rendered_prompt(self, inputs, extra)
-            except options.KvOptionsError as exc:
-                raise _reject(exc) from exc
-        _check_capacity(self, inputs, params)
+        try:
+            admit_rendered_prompt(self, inputs, params)
+        except KvOptionsError as exc:
+            raise admission.rejected(exc) from exc
         return original(self, request_id, inputs, *args, **kwargs)
 
     _log_inputs.__obcache_wrapped__ = True
     return _log_inputs
-
-
-def _check_capacity(serving, inputs, params) -> None:
-    """A request that can never fit the KV pool: 400 before any stream starts (see
-    :mod:`obcache_vllm.vllm_ext.frontend.capacity`; a no-op when the pool holds
-    ``max_model_len``)."""
-    from obcache_vllm.vllm_ext.frontend.capacity import capacity_error
-
-    vllm_config = getattr(getattr(serving, "engine_client", None), "vllm_config", None)
-    if vllm_config is None or not hasattr(params, "max_tokens"):
-        return
-    token_ids = serving._extract_prompt_components(inputs).token_ids
-    if token_ids is None:
-        return
-    try:
-        opts = options.parse_kv_options(params.extra_args, len(token_ids))
-    except options.KvOptionsError:
-        return  # reported by the checks above or by the input processor
-    error = capacity_error(vllm_config, len(token_ids), params.max_tokens, opts)
-    if error is not None:
-        raise _reject(error)
-
-
-def _wrap_to_sampling_params(original):
-    @functools.wraps(original)
-    def to_sampling_params(self, *args, **kwargs):
-        requested = requested_kv_fields(self.vllm_xargs, self.model_extra)
-        merged = config.merge_request(server_defaults(), requested)
-        try:
-            # Before vLLM's own checks: its range check of extra_args would reject an int
-            # beyond 64 bits in vllm_xargs as "extra_args", without naming the kv_* field.
-            check_scalars(requested_kv_fields(self.vllm_xargs, None))
-            prevalidate(merged)
-        except options.KvOptionsError as exc:
-            raise _reject(exc) from exc
-        params = original(self, *args, **kwargs)
-        extra = {k: v for k, v in (params.extra_args or {}).items() if not is_kv_option(k)}
-        extra.update(merged)
-        params.extra_args = extra or None
-        return params
-
-    to_sampling_params.__obcache_wrapped__ = True
-    return to_sampling_params
 
 
 # --- KV outcome: engine outputs -> usage.obcache --------------------------------------------
@@ -366,6 +354,8 @@ def install_server() -> None:
     patch_method(BaseServing, "_log_inputs", _wrap_log_inputs)
     patch_method(ChatCompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
     patch_method(CompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
+    patch_method(ChatCompletionRequest, "to_beam_search_params", _wrap_to_beam_search_params)
+    patch_method(CompletionRequest, "to_beam_search_params", _wrap_to_beam_search_params)
     patch_method(OpenAIServingChat, "chat_completion_full_generator", _wrap_full_generator)
     patch_method(
         OpenAIServingChat,

@@ -43,7 +43,7 @@ from obcache_vllm.eviction.step import (
     StepPlan,
     agree_across_ranks,
 )
-from obcache_vllm.options import parse_validated_kv_options
+from obcache_vllm.options import WireError, admitted_options
 from obcache_vllm.vllm_ext.wire import DISABLED_ATTR, ORDERS_ATTR, REPORT_ATTR
 from obcache_vllm.vllm_ext.worker.attention import EvictingBuilderMixin
 
@@ -89,9 +89,10 @@ class EvictingRunnerMixin:
             params = new.sampling_params
             options = None
             if params is not None and new.prompt_token_ids is not None:
-                options = parse_validated_kv_options(
-                    params.extra_args, len(new.prompt_token_ids), self.max_model_len
-                )
+                try:
+                    options = admitted_options(params.extra_args)
+                except WireError as exc:  # the scheduler finished it with an error already
+                    logger.warning("obcache: request %s has no usable options: %s", new.req_id, exc)
             self._obcache_drop(new.req_id)  # a re-used id starts afresh
             if options is None:
                 continue

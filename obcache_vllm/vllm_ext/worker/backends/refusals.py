@@ -1,0 +1,56 @@
+"""What each attention backend's adapter refuses, from the engine configuration alone.
+
+Plain functions of ``vllm_config`` (no vLLM or torch import): the API server calls them
+through :func:`obcache_vllm.vllm_ext.frontend.admission.bind`, without importing the worker's
+classes. The reasons of FLASH_ATTN are explained in :mod:`.flash_attn`.
+"""
+
+from __future__ import annotations
+
+BACKEND_NAME = "FLASH_ATTN"
+KERNEL_BLOCK_MULTIPLE = 16  # FlashAttentionBackend.get_supported_kernel_block_sizes
+
+
+def cpu_refusal(vllm_config) -> str | None:
+    """CPU_ATTN: every CPU configuration the engine accepts (the generic checks apply)."""
+    return None
+
+
+def unsupported_platform(vllm_config) -> str | None:
+    return "KV eviction is implemented for vLLM's CPU and CUDA (FLASH_ATTN) backends only"
+
+
+def flash_attn_refusal(vllm_config) -> str | None:
+    """FLASH_ATTN on CUDA: why budgeted requests cannot be served, or None."""
+    attention = vllm_config.attention_config
+    backend = getattr(attention.backend, "name", attention.backend)
+    if backend != BACKEND_NAME or getattr(attention, "backend_per_kind", None):
+        return (
+            "kv_budget on CUDA needs --attention-backend FLASH_ATTN (the automatic choice "
+            "is made in the worker, after this check)"
+        )
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        return (
+            f"kv_budget is not supported with full CUDA graphs (cudagraph_mode={mode.name}): "
+            "use -cc.cudagraph_mode=PIECEWISE or --enforce-eager"
+        )
+    block_size = vllm_config.cache_config.block_size
+    if block_size is not None and block_size % KERNEL_BLOCK_MULTIPLE:
+        return f"kv_budget on FLASH_ATTN needs a block size multiple of 16, got {block_size}"
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1 or (
+        getattr(parallel, "prefill_context_parallel_size", 1) > 1
+    ):
+        return "context parallelism is not supported with kv_budget"
+    if getattr(parallel, "enable_dbo", False):
+        return "dual-batch overlap (micro-batching) is not supported with kv_budget"
+    if getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False):
+        return "KV-sharing fast prefill is not supported with kv_budget"
+    model = vllm_config.model_config
+    text = getattr(model, "hf_text_config", None)
+    if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "") == "alibi":
+        return "ALiBi models are not supported with kv_budget on FLASH_ATTN"
+    if getattr(model, "is_mm_prefix_lm", False) or getattr(model, "rswa_window", None):
+        return "prefix-LM / R-SWA attention masks are not supported with kv_budget"
+    return None
