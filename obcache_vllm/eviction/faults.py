@@ -3,9 +3,9 @@
 The fault-injection tests and the soak prove, on the real engine, that a fault inside eviction
 degrades only the request it hits. A request asks for a fault with the extra argument
 ``obcache_fault`` (``vllm_xargs`` over HTTP); it is honoured only when the process was started
-with ``OBCACHE_VLLM_FAULTS=1`` (read once, the first time any process asks). Without the
-variable the argument is ignored like any unknown extra argument, so no client can inject
-faults into a production server.
+with ``OBCACHE_VLLM_FAULTS=1`` (read once per process). Without the variable nothing of this
+module is installed: the eviction path has no fault branch, and the argument is ignored like
+any unknown extra argument, so no client can inject faults into a production server.
 
 ==================  ===========================================================================
 ``obcache_fault``   what happens (once per request)
@@ -16,7 +16,12 @@ faults into a production server.
 ``compact:N``       the worker raises in layer ``N``'s compaction, after layers ``0..N-1``
                     wrote their kept tokens (the request's cache is then torn)
 ``report``          the worker's report of the step where the request's order applied is lost
+``adopt``           the scheduler raises while a request adopts a cached compressed context
 ==================  ===========================================================================
+
+How they are injected: :mod:`obcache_vllm.vllm_ext.fault_hooks` wraps the scheduler's order
+planning, the runner's commit and the layer function with the pieces below (pure Python and
+torch, so the layer half is unit-tested on plain tensors too).
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "OBCACHE_VLLM_FAULTS"
 FAULT_ARG = "obcache_fault"
-STAGES = ("schedule", "desync", "score", "compact", "report")
+STAGES = ("schedule", "desync", "score", "compact", "report", "adopt")
 
 
 class InjectedFault(RuntimeError):
     """Raised where a test asked for a fault; contained like any other eviction fault."""
+
+    fault_reason = "injected"  # the reason label of the failure counter
 
 
 @dataclass(frozen=True)
@@ -61,3 +68,69 @@ def requested(extra_args: Mapping[str, Any] | None) -> Fault | None:
         logger.error("ignoring %s=%r; known stages: %s", FAULT_ARG, spec, ", ".join(STAGES))
         return None
     return Fault(stage, int(arg) if arg else 0)
+
+
+class Faults:
+    """The pending faults of one process's requests, each fired once."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Fault] = {}
+
+    def note(self, req_id: str, extra_args: Mapping[str, Any] | None) -> None:
+        fault = requested(extra_args)
+        if fault is None:
+            self._pending.pop(req_id, None)
+        else:
+            self._pending[req_id] = fault
+
+    def peek(self, req_id: str, *stages: str) -> Fault | None:
+        fault = self._pending.get(req_id)
+        return fault if fault is not None and fault.stage in stages else None
+
+    def fire(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+    def drop(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+
+class FaultyView:
+    """A :class:`~obcache_vllm.eviction.layer.KvCacheView` that raises for chosen rows.
+
+    ``faults`` maps a row of ``table`` (the step's read block table) to its fault: ``score``
+    raises in ``gather`` (scoring reads the resident K/V first), ``compact`` raises in
+    ``scatter`` of layer ``fault.layer`` (after the row started writing that layer). A row is
+    recognised by its block-table row: the core passes slices of ``table``.
+    """
+
+    def __init__(self, view, table, faults: dict[int, Fault], layer_index: int | None) -> None:
+        self._view = view
+        self._table = table
+        self._faults = faults
+        self._layer = layer_index
+        self.block_size = view.block_size
+
+    def _row_of(self, blocks) -> int | None:
+        if self._table is None or self._table.numel() == 0:
+            return None
+        start = self._table.data_ptr()
+        stride = self._table.stride(0) * self._table.element_size()
+        offset = blocks.data_ptr() - start
+        if offset < 0 or blocks.shape[0] != 1:
+            return None
+        return offset // stride
+
+    def gather(self, blocks, num_tokens):
+        fault = self._faults.get(self._row_of(blocks))
+        if fault is not None and fault.stage == "score":
+            raise InjectedFault("score")
+        return self._view.gather(blocks, num_tokens)
+
+    def scatter(self, blocks, keys, values) -> None:
+        fault = self._faults.get(self._row_of(blocks))
+        if fault is not None and fault.stage == "compact" and fault.layer == self._layer:
+            raise InjectedFault(f"compact at layer {fault.layer}")
+        self._view.scatter(blocks, keys, values)
+
+    def __getattr__(self, name):  # anything else a backend's view offers
+        return getattr(self._view, name)

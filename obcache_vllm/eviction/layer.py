@@ -26,7 +26,6 @@ from typing import Protocol
 
 import torch
 
-from obcache_vllm.eviction.faults import InjectedFault
 from obcache_vllm.eviction.step import RowPlan, StepPlan
 from obcache_vllm.scoring import HeadGeometry, RunningScores
 
@@ -110,8 +109,6 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
             or (opts.decode and prefill_end)):  # fmt: skip
         return
 
-    if row.fault is not None and row.fault.stage == "score":
-        raise InjectedFault("score")
     # Every row of the step reads the same block table: the one the attention just used.
     blocks = plan.read_block_table[row.row : row.row + 1]  # [1, M]
     keys, values = view.gather(blocks, row.num_resident)
@@ -129,9 +126,6 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
     kept_k = torch.gather(keys, 1, index)  # gathered before anything is written
     kept_v = torch.gather(values, 1, index)
     row.outcome.writing = True
-    fault = row.fault
-    if fault and fault.stage == "compact" and plan.layer_index.get(layer) == fault.layer:
-        raise InjectedFault(f"compact at layer {fault.layer}")
     # Kept tokens go to logical slots [dead_after*bs, L): block (dead_after - dead_before) on
     # of the row as the attention read it.
     view.scatter(blocks[:, order.dead_after - order.dead_before :], kept_k[None], kept_v[None])

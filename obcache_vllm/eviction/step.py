@@ -152,11 +152,9 @@ class RowOutcome:
     touched: bool = False
 
     def fail(self, stage: str, exc: Exception, where: str) -> None:
-        """Record the row's first contained fault (``reason``: the exception's type, or
-        ``injected`` for a test's :class:`~obcache_vllm.eviction.faults.InjectedFault`)."""
-        from obcache_vllm.eviction.faults import InjectedFault
-
-        reason = "injected" if isinstance(exc, InjectedFault) else type(exc).__name__
+        """Record the row's first contained fault (``reason``: the exception's type, or its
+        ``fault_reason``: ``injected`` for a test's injected fault)."""
+        reason = getattr(exc, "fault_reason", None) or type(exc).__name__
         if self.failure is None:
             self.failure = (stage, reason, f"{where}: {exc}")
         self.touched = self.touched or self.writing
@@ -175,7 +173,6 @@ class RowPlan:
 
     ``logical_len`` is the request's token count in the cache at the end of the step;
     ``prefill`` is True while prompt tokens are being computed (also the prompt's last chunk).
-    ``fault`` is a test-only injected fault (:mod:`obcache_vllm.eviction.faults`), else None.
     """
 
     row: int
@@ -188,7 +185,6 @@ class RowPlan:
     prompt_len: int
     prefill: bool
     order: EvictionOrder | None
-    fault: object | None = None
     # Decode rows whose scores are summed: where this step's query is stored in the runner's
     # DecodeQueryStore (None: not stored), and whether the stored queries are scored now.
     decode_position: int | None = None
@@ -231,7 +227,7 @@ class StepPlan:
     # Filled by the attention layers: seconds spent scoring and compacting in this step.
     timings: list[float] = field(default_factory=list)
     read_block_table: torch.Tensor | None = None
-    # Attention layer name -> index in the model (fault injection by layer).
+    # Attention layer name -> index in the model (recording, fault injection by layer).
     layer_index: dict[str, int] = field(default_factory=dict)
     # This step's decode queries to store, for every layer: (slots, positions, token index).
     decode_store: DecodeQueryStore | None = None

@@ -168,4 +168,10 @@ def install() -> bool:
 
     admission.bind(platform=platform_refusal(), scheduler=scheduler_refusal)
     install_platform_backend()
+    from obcache_vllm.eviction import faults
+
+    if faults.enabled():  # test-only (OBCACHE_VLLM_FAULTS=1): see fault_hooks.py
+        from obcache_vllm.vllm_ext import fault_hooks
+
+        fault_hooks.install()
     return serving

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from obcache_vllm.eviction.faults import Fault
+from obcache_vllm.eviction.faults import Fault, FaultyView
 from obcache_vllm.eviction.layer import evict_after_attention
 from obcache_vllm.eviction.messages import EvictionOrder
 from obcache_vllm.eviction.paged import shift_rows_in_place
@@ -44,14 +44,13 @@ def _request(gen, caches, row: torch.Tensor, n: int):
     return k, v, torch.randn((n, HQ, D), generator=gen)
 
 
-def _row(index, kv, n, order, q_start, fault=None, prompt_len=None) -> RowPlan:
+def _row(index, kv, n, order, q_start, prompt_len=None) -> RowPlan:
     options = parse_kv_options(kv, prompt_len or n, 4096)
     state = RequestKvState.create(options)
     state.record = {}
     return RowPlan(
-        index, f"r{index}", BS, state, q_start, q_start + n, n, prompt_len or n, True, order,
-        fault=fault,
-    )  # fmt: skip
+        index, f"r{index}", BS, state, q_start, q_start + n, n, prompt_len or n, True, order
+    )
 
 
 @pytest.mark.parametrize("per_head", [pytest.param(True, id="per-head"), False])
@@ -112,8 +111,7 @@ def test_every_rank_joins_each_shared_rows_collective_once_per_layer():
         shared = name != "B"
         kv = {"kv_budget": 40, "kv_pipeline": "tova", "kv_per_head": not shared}
         order = None if name == "D" else EvictionOrder(n, 0, (n - 40) // BS, BS)
-        fault = Fault("score") if name == "C" else None
-        rows.append(_row(i, kv, n, order, start, fault, prompt_len=n + (name == "D")))
+        rows.append(_row(i, kv, n, order, start, prompt_len=n + (name == "D")))
         start += n
     calls = []
 
@@ -125,7 +123,9 @@ def test_every_rank_joins_each_shared_rows_collective_once_per_layer():
     plan = StepPlan(dead=(0,) * 4, rows=tuple(rows), block_size=BS, head_reduce=all_reduce)
     plan.read_block_table = table
     for layer, cache in zip(("l0", "l1"), caches, strict=True):
-        evict_after_attention(plan, layer, query, FlashAttnKvView(cache, D), GEOM)
+        # C's fault is injected the way OBCACHE_VLLM_FAULTS=1 does: through its view.
+        view = FaultyView(FlashAttnKvView(cache, D), table, {2: Fault("score")}, None)
+        evict_after_attention(plan, layer, query, view, GEOM)
     joined = [((1, 90), True), ((1, 70), False)]  # A with its scores, C with zeros
     assert calls == joined * 2
     a, b, c, d = rows

@@ -224,10 +224,10 @@ def test_platform_dispatch_of_refusals(monkeypatch):
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
     full = _config(**{"compilation_config.cudagraph_mode": _mode("FULL_AND_PIECEWISE")})
-    assert "full CUDA graphs" in backends.platform_unsupported_reason(full)
-    assert backends.platform_unsupported_reason(_config()) is None
+    assert "full CUDA graphs" in backends.platform_refusal()(full)
+    assert backends.platform_refusal()(_config()) is None
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: False)
-    assert "CPU and CUDA" in backends.platform_unsupported_reason(_config())
+    assert "CPU and CUDA" in backends.platform_refusal()(_config())
 
 
 @pytest.fixture

@@ -33,7 +33,6 @@ from collections import OrderedDict
 
 import torch
 
-from obcache_vllm.eviction import faults
 from obcache_vllm.eviction.messages import EvictionOrder, EvictionReport, RowFailure, RowState
 from obcache_vllm.eviction.step import (
     DecodeQueryStore,
@@ -63,11 +62,9 @@ class EvictingRunnerMixin:
         self._obcache_plan: StepPlan | None = None
         self._obcache_report: EvictionReport | None = None
         self._obcache_layer_index: dict[str, int] | None = None
-        self._obcache_faults: dict[str, faults.Fault] = {}
         self.obcache_queries = DecodeQueryStore()
         self._obcache_untracked: list[str] = []
         self._obcache_tp_handles = None  # see _obcache_tp
-        faults.enabled()  # read the environment once, at start
         # Verification aid: kept indices per request and layer (OBCACHE_VLLM_RECORD_KEEP=1 only).
         self.obcache_records: OrderedDict[str, dict] | None = (
             OrderedDict() if os.environ.get(RECORD_ENV) == "1" else None
@@ -92,16 +89,14 @@ class EvictingRunnerMixin:
                 try:
                     options = admitted_options(params.extra_args)
                 except WireError as exc:  # the scheduler finished it with an error already
-                    logger.warning("obcache: request %s has no usable options: %s", new.req_id, exc)
+                    logger.warning("obcache: request %s has no usable options: %s",
+                                   new.req_id, exc)  # fmt: skip
             self._obcache_drop(new.req_id)  # a re-used id starts afresh
             if options is None:
                 continue
             state = self.obcache_states[new.req_id] = RequestKvState.create(options)
             if state.buffers_decode_queries:
                 state.decode_slot = self.obcache_queries.acquire()
-            fault = faults.requested(params.extra_args)
-            if fault is not None:
-                self._obcache_faults[new.req_id] = fault
             if self.obcache_records is not None:
                 state.record = self.obcache_records[new.req_id] = {}
                 while len(self.obcache_records) > _MAX_RECORDS:
@@ -109,7 +104,6 @@ class EvictingRunnerMixin:
 
     def _obcache_drop(self, req_id: str) -> None:
         state = self.obcache_states.pop(req_id, None)
-        self._obcache_faults.pop(req_id, None)
         if state is not None and state.decode_slot is not None:
             self.obcache_queries.release(state.decode_slot)
 
@@ -205,7 +199,6 @@ class EvictingRunnerMixin:
                 prompt_len=prompt_len,
                 prefill=prefill,
                 order=order,
-                fault=self._obcache_faults.get(req_id),
                 decode_position=position,
                 score_decode=score_decode,
                 active=active or failure is not None,
@@ -305,14 +298,6 @@ class EvictingRunnerMixin:
             states=states,
             failures=tuple(failures),
         )
-        for row in plan.rows:
-            fault = row.fault
-            if fault is not None and fault.stage == "report" and row.req_id in applied:
-                self._obcache_faults.pop(row.req_id, None)
-                report = None  # the injected fault: this step's report is lost
-                break
-            if fault is not None and row.outcome.failure is not None:
-                self._obcache_faults.pop(row.req_id, None)  # one shot
         self._obcache_report = report
 
     def sample_tokens(self, grammar_output):
@@ -328,12 +313,12 @@ def _group_decode_orders(
 ) -> tuple[tuple[RowPlan, ...], tuple[RowGroup, ...]]:
     """Group the decode rows that can be batched (see ``core._group_after_attention``): orders,
     or stored decode queries to fold into the running scores (no order), with the same scoring
-    options, resident count, query count, kept count and block shift; no injected fault; one
+    options, resident count, query count, kept count and block shift; one
     ranking per layer only if ``batch_shared`` (not under tensor parallelism, where each row's
     ranking is all-reduced on its own). Rows of a group of two or more are marked ``grouped``."""
     buckets: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
-        if r.prefill or r.fault is not None or r.outcome.failure:
+        if r.prefill or r.outcome.failure:
             continue
         if r.order is None and not r.score_decode:
             continue

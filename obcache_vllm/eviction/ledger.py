@@ -1,0 +1,325 @@
+"""The block ledger: every budgeted request's block accounting on the scheduler side.
+
+One :class:`RequestBlocks` per budgeted request, owned by the :class:`BlockLedger` (created
+on add, reset on preemption, released on finish). The vLLM scheduler adapter
+(:mod:`obcache_vllm.vllm_ext.engine.scheduler`) only translates: it asks the ledger what to do
+and applies the answer to vLLM's block manager. Plain Python, no vLLM, no torch.
+
+A request's blocks, by logical block index (``bs`` tokens each; see
+:mod:`obcache_vllm.eviction.planning` for right-aligned compaction)::
+
+    index      0 ....... dead-1 | dead ............ write_floor-1 | write_floor ........ n-1
+    content    null (freed)     | live, stock KV until compacted | live: compaction writes
+    prefix     may be shared with other requests (cache hits)     | must be this request's
+    cache      may be registered (stock KV, addressable by tokens)| never registered
+
+``write_floor = max(0, (C - budget) // bs)`` for the compress point ``C``: every order of the
+request has ``dead_after >= write_floor`` (orders run at ``L >= C`` tokens and keep
+``L - dead_after*bs >= budget``), so compaction writes only blocks at or above it. Blocks
+below it are never rewritten: they may come from the prefix cache, and the ones the request
+computes itself hold exactly stock KV, so they may be registered. ``kv_prefill_evict`` orders
+run before ``C`` and write lower: such requests neither read nor feed the cache.
+
+Verbs, in the style of nano-vllm's ``BlockManager``:
+
+==================  =================================================================
+verb                what it decides
+==================  =================================================================
+``open`` / ``release`` / ``reset``  a request's record: on add, finish, preemption
+``exact_hit``       how much of a prefix-cache hit the request may take (its pipeline's
+                    queries at the compress point must all be computed)
+``copy_on_write``   which hit blocks it must copy before it may write them
+``registrable``     how many computed tokens may enter the prefix cache
+``cut_at``          where this step's prefill chunk must end (the compress point)
+``can_compact`` /   this step's order, and recording it
+``compact``
+``commit``          the worker compacted: the head blocks to free now
+==================  =================================================================
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from obcache_vllm.eviction.messages import EvictionOrder, RowState
+from obcache_vllm.eviction.planning import peak_blocks, plan_eviction
+from obcache_vllm.options import KvOptions
+
+# Finished records kept for readers (tests, the stats path drains its own copy).
+FINISHED_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class CacheStart:
+    """What a request's cache started from at admission (besides computing it itself).
+
+    ``kind``: ``"hit"`` (an ordinary prefix-cache hit of ``tokens`` stock tokens) or
+    ``"entry"`` (a compressed entry: ``tokens`` logical tokens, ``dead`` head blocks null).
+    """
+
+    kind: str
+    tokens: int
+    dead: int = 0
+
+    @property
+    def compressed(self) -> bool:
+        return self.kind == "entry"
+
+
+@dataclass
+class RequestBlocks:
+    """One budgeted request's blocks and eviction history (see the module docstring)."""
+
+    options: KvOptions
+    prompt_len: int
+    block_size: int
+    dead: int = 0
+    # The eviction at the compress point has been ordered (or was inherited from an entry).
+    past_point: bool = False
+    start: CacheStart | None = None
+    evictions: int = 0
+    tokens_evicted: int = 0
+    blocks_freed: int = 0
+    # Prompt tokens left after the prefill eviction (None: not evicted at prefill).
+    kept_prompt: int | None = None
+    # Why eviction stopped for this request ("stage: reason"); it then runs uncompressed.
+    disabled: str | None = None
+
+    @property
+    def point(self) -> int:
+        """The compress point C: prompt tokens cached when the prefill eviction runs."""
+        return self.options.compress_point(self.prompt_len)
+
+    @property
+    def write_floor(self) -> int:
+        """The lowest block index any compaction of this request may write."""
+        return max(0, (self.point - self.options.budget) // self.block_size)
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether an exact prefix-cache hit exists for its pipeline at all."""
+        return self.options.query_window >= 0 and not self.options.prefill_evict
+
+    def exact_hit(self, hit_tokens: int) -> int:
+        """The longest block-aligned prefix of a ``hit_tokens`` hit this request may take.
+
+        Exact means: the kept set after eviction equals a recompute's. The last
+        ``query_window`` prompt queries before C (one for tova and streaming, whose order must
+        run in a step that computes up to C) must be computed by the request itself.
+        """
+        if not self.reads_cache or self.past_point:
+            return 0
+        limit = self.point - max(1, self.options.query_window)
+        return max(0, min(hit_tokens, limit)) // self.block_size * self.block_size
+
+    def copy_on_write(self, num_hit_blocks: int) -> range:
+        """Indices of the hit blocks the request must copy before it can write them."""
+        return range(min(self.write_floor, num_hit_blocks), num_hit_blocks)
+
+    def registrable(self, num_tokens: int) -> int:
+        """How many of its first ``num_tokens`` computed tokens may enter the prefix cache."""
+        if not self.reads_cache or (self.start is not None and self.start.compressed):
+            return 0
+        return min(num_tokens, self.write_floor * self.block_size)
+
+    def cut_at(self) -> int | None:
+        """The token this step's prefill chunk must not run past (the compress point)."""
+        return None if self.past_point else self.point
+
+    def can_compact(self, logical_len: int, is_prefill_chunk: bool) -> EvictionOrder | None:
+        """The order of a step that leaves ``logical_len`` tokens in the cache, or None.
+
+        At the compress point (the step whose chunk reaches C; with ``kv_prefill_evict``,
+        also every chunk before it) and, with ``kv_decode``, at decode steps: when a whole
+        block can go. Records that the compress point was reached.
+        """
+        if self.disabled is not None:
+            return None
+        final = True  # the eviction at the compress point, or a decode-time one
+        if not self.past_point:
+            if logical_len < self.point:
+                if not self.options.prefill_evict:
+                    return None
+                final = False  # kv_prefill_evict: after this chunk too
+        elif not self.options.decode or is_prefill_chunk:
+            return None
+        order = plan_eviction(
+            logical_len=logical_len,
+            budget=self.options.budget,
+            dead_blocks=self.dead,
+            block_size=self.block_size,
+        )
+        self.past_point = self.past_point or final
+        return order
+
+    def commit(self, row: RowState) -> tuple[int, int] | None:
+        """Adopt the worker's cumulative state; the head blocks ``[first, last)`` to free now.
+
+        The worker reports every budgeted row's state each step, so a lost report is made good
+        by the next one: what it compacted away and was not freed yet is freed then.
+        """
+        freed = None
+        if row.dead > self.dead:
+            freed = (self.dead, row.dead)
+            self.blocks_freed += row.dead - self.dead
+        self.dead = row.dead
+        self.evictions = row.evictions
+        self.tokens_evicted = row.tokens_evicted
+        if row.kept_prompt is not None:
+            self.kept_prompt = row.kept_prompt
+        return freed
+
+    def reset(self) -> None:
+        """Preempted: vLLM freed its blocks; its KV is recomputed (or re-adopted) later."""
+        self.dead = 0
+        self.past_point = False
+        self.kept_prompt = None
+        self.start = None
+
+    def adopt(self, start: CacheStart) -> None:
+        """The request's cache starts from ``start`` (set at admission)."""
+        self.start = start
+        if start.compressed:
+            self.dead = start.dead
+            self.past_point = start.tokens >= self.point
+
+    def peak_blocks(self, max_tokens: int, chunk: int) -> int:
+        """Worst-case blocks of the request over its life (see ``planning.peak_blocks``)."""
+        return peak_blocks(
+            prompt_len=self.prompt_len,
+            max_tokens=max_tokens,
+            block_size=self.block_size,
+            chunk=chunk,
+            budget=self.options.budget,
+            decode=self.options.decode,
+            prefill_evict=self.options.prefill_evict,
+        )
+
+    def resident(self, num_computed_tokens: int) -> int:
+        """Tokens it holds in the cache (per layer and KV head)."""
+        return num_computed_tokens - self.dead * self.block_size
+
+    def outcome(self, resident: int) -> dict:
+        """The request's KV outcome as reported to the client (``usage.obcache``)."""
+        outcome = {
+            "resident_tokens": resident,
+            "evicted_tokens": self.tokens_evicted,
+            "freed_blocks": self.blocks_freed,
+            "evictions": self.evictions,
+            "prompt_tokens_kept": self.prompt_len if self.kept_prompt is None else self.kept_prompt,
+            "budget": self.options.budget,
+            "scorer": self.options.scorer,
+            "pipeline": self.options.pipeline,
+        }
+        if self.disabled is not None:
+            outcome["fault"] = self.disabled
+        return outcome
+
+
+@dataclass(frozen=True)
+class FinishedKvRecord:
+    """KV outcome of one finished budgeted request."""
+
+    req_id: str
+    resident_tokens: int
+    tokens_evicted: int
+    evictions: int
+    prompt_len: int = 0
+    kept_prompt: int = 0
+    blocks_freed: int = 0
+    scorer: str = ""
+    pipeline: str = ""
+
+
+@dataclass
+class EvictionTotals:
+    """Cumulative counters of this engine (read by metrics and tests)."""
+
+    evictions: int = 0
+    tokens_evicted: int = 0
+    blocks_freed: int = 0
+    orders_not_applied: int = 0
+    scoring_seconds: float = 0.0
+    # Contained faults: (stage, reason) -> count (vllm:obcache_eviction_failures_total).
+    failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Requests finished with an error because their cache was torn.
+    failed_requests: int = 0
+    # Preemptions of requests that had evicted (vllm:obcache_compressed_preemptions_total).
+    compressed_preemptions: int = 0
+    # Cumulative [tokens evicted, blocks freed, evictions] per (scorer, pipeline).
+    by_option: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+
+    def count_failure(self, stage: str, reason: str) -> None:
+        self.failures[(stage, reason)] = self.failures.get((stage, reason), 0) + 1
+
+
+class BlockLedger:
+    """Every budgeted request's :class:`RequestBlocks`, and the engine's eviction totals."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.requests: dict[str, RequestBlocks] = {}
+        self.totals = EvictionTotals()
+        self.finished: deque[FinishedKvRecord] = deque(maxlen=FINISHED_KEPT)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.requests
+
+    def get(self, req_id: str) -> RequestBlocks | None:
+        return self.requests.get(req_id)
+
+    def open(self, req_id: str, options: KvOptions, prompt_len: int) -> RequestBlocks:
+        blocks = self.requests[req_id] = RequestBlocks(options, prompt_len, self.block_size)
+        return blocks
+
+    def commit(self, req_id: str, row: RowState) -> tuple[int, int] | None:
+        """:meth:`RequestBlocks.commit`, plus the engine totals."""
+        blocks = self.requests[req_id]
+        before = (blocks.tokens_evicted, blocks.blocks_freed, blocks.evictions)
+        freed = blocks.commit(row)
+        gained = [
+            now - was
+            for now, was in zip(
+                (blocks.tokens_evicted, blocks.blocks_freed, blocks.evictions), before, strict=True
+            )
+        ]
+        if any(gained):
+            key = (blocks.options.scorer, blocks.options.pipeline)
+            per_option = self.totals.by_option.setdefault(key, [0, 0, 0])
+            for i, amount in enumerate(gained):
+                per_option[i] += amount
+            self.totals.tokens_evicted += gained[0]
+            self.totals.blocks_freed += gained[1]
+            self.totals.evictions += gained[2]
+        return freed
+
+    def reset(self, req_id: str) -> bool:
+        """Preemption; returns whether the request had evicted (its KV is recomputed)."""
+        blocks = self.requests.get(req_id)
+        if blocks is None:
+            return False
+        compressed = blocks.dead > 0 or blocks.past_point
+        if compressed:
+            self.totals.compressed_preemptions += 1
+        blocks.reset()
+        return compressed
+
+    def release(self, req_id: str, num_computed_tokens: int) -> FinishedKvRecord | None:
+        """Finished or aborted: drop its record, keep what it ended with."""
+        blocks = self.requests.pop(req_id, None)
+        if blocks is None:
+            return None
+        record = FinishedKvRecord(
+            req_id,
+            blocks.resident(num_computed_tokens),
+            blocks.tokens_evicted,
+            blocks.evictions,
+            prompt_len=blocks.prompt_len,
+            kept_prompt=blocks.prompt_len if blocks.kept_prompt is None else blocks.kept_prompt,
+            blocks_freed=blocks.blocks_freed,
+            scorer=blocks.options.scorer,
+            pipeline=blocks.options.pipeline,
+        )
+        self.finished.append(record)
+        return record

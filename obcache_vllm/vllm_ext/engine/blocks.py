@@ -1,0 +1,90 @@
+"""The ledger's decisions applied to vLLM's KV-cache manager (EngineCore process).
+
+Every place where obcache-vllm touches vLLM's block accounting for a budgeted request is here,
+each decided by the request's :class:`~obcache_vllm.eviction.ledger.RequestBlocks`:
+
+* registration: ``KVCacheCoordinator.cache_blocks`` of a budgeted request commits only what
+  the ledger says is registrable (stock KV below the write floor);
+* admission: a ``kv_prefill_evict`` request is admitted by its bounded peak, not its whole
+  prompt (vLLM's ``full_sequence_must_fit`` gate of ``KVCacheManager.allocate_slots``);
+* freeing: dead head blocks go back to the pool as vLLM's sliding window frees them
+  (``SingleTypeKVCacheManager._remove_blocks_in_range``: null blocks in place, ref counts
+  decremented, so a block another request shares stays with it);
+* writability: a block that receives kept tokens must be the request's alone and unhashed
+  (``BlockPool.is_block_writable``).
+
+vLLM builds its ``KVCacheManager`` inside ``Scheduler.__init__``, so the two wrappers are
+installed on that instance (each a pinned seam in :mod:`obcache_vllm.vllm_ext.seams`).
+"""
+
+from __future__ import annotations
+
+from obcache_vllm.eviction.ledger import BlockLedger
+from obcache_vllm.eviction.messages import EvictionOrder
+
+
+class BlockNotWritableError(RuntimeError):
+    """A block that would receive kept tokens is shared or in the prefix cache."""
+
+
+class PoolAdapter:
+    """vLLM's KV-cache manager as the block ledger sees it (one per scheduler)."""
+
+    def __init__(self, kv_cache_manager, ledger: BlockLedger, max_num_batched_tokens: int) -> None:
+        self.manager = kv_cache_manager
+        self.ledger = ledger
+        self.chunk = max_num_batched_tokens
+        coordinator = kv_cache_manager.coordinator
+        managers = coordinator.single_type_managers
+        if len(managers) != 1:
+            raise RuntimeError("obcache-vllm supports single-group (non-hybrid) KV caches only")
+        self.group = managers[0]
+        self.pool = kv_cache_manager.block_pool
+        self._cache_blocks = coordinator.cache_blocks
+        self._allocate_slots = kv_cache_manager.allocate_slots
+        coordinator.cache_blocks = self.cache_blocks
+        kv_cache_manager.allocate_slots = self.allocate_slots
+
+    # -- registration ------------------------------------------------------------------------
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        """``KVCacheCoordinator.cache_blocks`` as the ledger allows it."""
+        if request.request_id in self.ledger:
+            return
+        self._cache_blocks(request, num_computed_tokens)
+
+    # -- admission ---------------------------------------------------------------------------
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        """``KVCacheManager.allocate_slots``; a waiting ``kv_prefill_evict`` request must fit
+        its bounded peak, not its whole prompt."""
+        blocks = self.ledger.get(request.request_id)
+        if (
+            blocks is not None
+            and blocks.options.prefill_evict
+            and blocks.disabled is None
+            and kwargs.get("full_sequence_must_fit")
+        ):
+            peak = blocks.peak_blocks(request.sampling_params.max_tokens or 1, self.chunk)
+            if peak - self.live_blocks(request.request_id) > self.pool.get_num_free_blocks():
+                return None
+            kwargs["full_sequence_must_fit"] = False
+        return self._allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+    # -- the request's blocks ----------------------------------------------------------------
+    def live_blocks(self, req_id: str) -> int:
+        """Blocks the request holds in the pool (null blocks excluded)."""
+        return sum(1 for b in self.group.req_to_blocks.get(req_id, ()) if not b.is_null)
+
+    def free_head(self, req_id: str, first: int, last: int) -> None:
+        """Return blocks ``[first, last)`` of the request to the pool (null blocks in place)."""
+        self.group._remove_blocks_in_range(req_id, first, last)
+
+    def check_writable(self, req_id: str, order: EvictionOrder) -> None:
+        """Every block that receives kept tokens must be this request's alone and unhashed."""
+        blocks = self.group.req_to_blocks[req_id]
+        last = -(-order.logical_len // order.block_size)
+        for block in blocks[order.dead_after : last]:
+            if not self.pool.is_block_writable(block):
+                raise BlockNotWritableError(
+                    f"request {req_id}: block {block.block_id} is shared or cached; "
+                    "refusing to compact into it"
+                )

@@ -1,0 +1,139 @@
+"""Test-only fault injection, wrapped around the eviction path when ``OBCACHE_VLLM_FAULTS=1``.
+
+:func:`install` (called by :func:`obcache_vllm.vllm_ext.install.install` only when the switch
+is on) wraps, process-locally:
+
+* ``OBCacheScheduler.add_request`` (note the request's ``obcache_fault``) and
+  ``OBCacheScheduler._plan_request`` (``schedule``: raise at its first order; ``desync``: send
+  that order with a wrong length),
+* ``EvictingRunnerMixin._obcache_update_states`` (note), ``_obcache_commit`` (``report``: lose
+  the report of the step whose order applied; a fired fault is spent),
+* the layer function the attention impls call (``score`` / ``compact:N`` through a
+  :class:`~obcache_vllm.eviction.faults.FaultyView`), and the decode grouping (a faulted row is
+  handled alone, where its view can raise).
+
+Without the switch none of this is installed: the eviction path carries no fault branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from obcache_vllm.eviction import faults
+from obcache_vllm.eviction.faults import FaultyView, InjectedFault
+from obcache_vllm.vllm_ext.patching import patch_method
+
+LAYER_STAGES = ("score", "compact")
+_faults = faults.Faults()  # this process's pending faults
+
+
+def _wrap_add_request(original):
+    @functools.wraps(original)
+    def add_request(self, request):
+        params = request.sampling_params
+        _faults.note(request.request_id, params.extra_args if params is not None else None)
+        return original(self, request)
+
+    add_request.__obcache_wrapped__ = True
+    return add_request
+
+
+def _wrap_plan_request(original):
+    @functools.wraps(original)
+    def _plan_request(self, output, request, blocks):
+        order = original(self, output, request, blocks)
+        fault = _faults.peek(request.request_id, "schedule", "desync")
+        if order is None or fault is None:
+            return order
+        _faults.fire(request.request_id)
+        if fault.stage == "schedule":
+            raise InjectedFault("schedule")
+        return dataclasses.replace(order, logical_len=order.logical_len + 1)  # desync
+
+    _plan_request.__obcache_wrapped__ = True
+    return _plan_request
+
+
+def _wrap_update_states(original):
+    @functools.wraps(original)
+    def _obcache_update_states(self, scheduler_output):
+        for req_id in scheduler_output.finished_req_ids:
+            _faults.drop(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            _faults.note(new.req_id, params.extra_args if params is not None else None)
+        return original(self, scheduler_output)
+
+    _obcache_update_states.__obcache_wrapped__ = True
+    return _obcache_update_states
+
+
+def _wrap_commit(original):
+    @functools.wraps(original)
+    def _obcache_commit(self):
+        plan = self._obcache_plan
+        original(self)
+        if plan is None:
+            return
+        report = self._obcache_report
+        for row in plan.rows:
+            if row.outcome.failure is not None and _faults.peek(row.req_id, *LAYER_STAGES):
+                _faults.fire(row.req_id)  # one shot
+            if report is not None and row.req_id in report.applied:
+                if _faults.peek(row.req_id, "report"):
+                    _faults.fire(row.req_id)
+                    self._obcache_report = None  # this step's report is lost
+
+    _obcache_commit.__obcache_wrapped__ = True
+    return _obcache_commit
+
+
+def _wrap_evict(original):
+    @functools.wraps(original)
+    def evict_after_attention(plan, layer, query, view, geom):
+        chosen = {}
+        for row in plan.rows:
+            fault = _faults.peek(row.req_id, *LAYER_STAGES)
+            if fault is not None:
+                chosen[row.row] = fault
+        if chosen:
+            view = FaultyView(view, plan.read_block_table, chosen, plan.layer_index.get(layer))
+        return original(plan, layer, query, view, geom)
+
+    evict_after_attention.__obcache_wrapped__ = True
+    return evict_after_attention
+
+
+def _wrap_grouping(original):
+    @functools.wraps(original)
+    def group_decode_orders(rows, batch_shared=True):
+        rows, groups = original(rows, batch_shared)
+        faulted = {r.req_id for r in rows if _faults.peek(r.req_id, *LAYER_STAGES)}
+        if not faulted:
+            return rows, groups
+        kept, split = [], set()
+        for group in groups:
+            if any(r.req_id in faulted for r in group.rows):
+                split.update(r.req_id for r in group.rows)
+            else:
+                kept.append(group)
+        rows = tuple(dataclasses.replace(r, grouped=False) if r.req_id in split else r
+                     for r in rows)  # fmt: skip
+        return rows, tuple(kept)
+
+    group_decode_orders.__obcache_wrapped__ = True
+    return group_decode_orders
+
+
+def install() -> None:
+    """Wrap the eviction path (idempotent; only called when :func:`faults.enabled`)."""
+    from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
+    from obcache_vllm.vllm_ext.worker import attention, runner
+
+    patch_method(OBCacheScheduler, "add_request", _wrap_add_request)
+    patch_method(OBCacheScheduler, "_plan_request", _wrap_plan_request)
+    patch_method(runner.EvictingRunnerMixin, "_obcache_update_states", _wrap_update_states)
+    patch_method(runner.EvictingRunnerMixin, "_obcache_commit", _wrap_commit)
+    patch_method(attention, "evict_after_attention", _wrap_evict)
+    patch_method(runner, "_group_decode_orders", _wrap_grouping)
