@@ -4,6 +4,9 @@
         One run; writes DIR/report.{json,md,png}; exit status 1 when a check failed.
     compare SCENARIO --out DIR [--arms stock,nobudget,mix] [--set ...] [--from-reports]
         One fresh server per arm, then DIR/compare.{json,md,png} (ratios) and one report per arm.
+    parity [--out DIR] [--quick]
+        Every request option of vLLM's completions and chat APIs against the plugin server and
+        stock vLLM (both launched); DIR/report.{json,md}; exit status 1 on a difference or 5xx.
 
 Only loopback targets unless ``--allow-remote``.
 """
@@ -60,7 +63,23 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"comma-separated, from {','.join(compare.ARMS)}")
     cmp_p.add_argument("--from-reports", action="store_true",
                        help="rebuild compare.* from the arm reports already in --out")
+    par_p = sub.add_parser("parity", help="every request option: plugin vs stock vLLM")
+    par_p.add_argument("--out", type=Path, default=Path("results/parity"), help="report folder")
+    par_p.add_argument("--quick", action="store_true", help="one value per field (the suite's)")
     return ap
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from loadtest import parity
+
+    report = parity.launch_and_run(args.out, quick=args.quick)
+    parity.write_report(report, args.out)
+    keys = ("stock_cases", "stock_differences", "budgeted_cases", "budgeted_5xx",
+            "budgeted_4xx_without_reason", "fields_without_values")
+    print({k: report[k] for k in keys})
+    print(f"wrote {args.out / 'report.md'}")
+    bad = report["stock_differences"] or report["budgeted_5xx"] or report["fields_without_values"]
+    return 1 if bad or report["budgeted_4xx_without_reason"] else 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -116,6 +135,7 @@ def _compare(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _run(args) if args.command == "run" else _compare(args)
+        commands = {"run": _run, "compare": _compare, "parity": _parity}
+        return commands[args.command](args)
     except KeyboardInterrupt:
         return 130
