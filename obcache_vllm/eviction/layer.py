@@ -52,6 +52,10 @@ class KvCacheView(Protocol):
         (they lie past the request's length, and the request writes them itself later)."""
         ...
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src`` [n] into blocks ``dst`` [n] (block ids)."""
+        ...
+
 
 def evict_after_attention(
     plan: StepPlan, layer: str, query: torch.Tensor, view: KvCacheView, geom: HeadGeometry
@@ -126,6 +130,11 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
     kept_k = torch.gather(keys, 1, index)  # gathered before anything is written
     kept_v = torch.gather(values, 1, index)
     row.outcome.writing = True
+    if order.preserve:  # stock KV about to be overwritten, kept for the prefix cache
+        first = order.dead_before
+        src = blocks[0, [index - first for index, _ in order.preserve]]
+        dst = torch.tensor([b for _, b in order.preserve], dtype=src.dtype, device=src.device)
+        view.copy_blocks(src, dst)
     # Kept tokens go to logical slots [dead_after*bs, L): block (dead_after - dead_before) on
     # of the row as the attention read it.
     view.scatter(blocks[:, order.dead_after - order.dead_before :], kept_k[None], kept_v[None])

@@ -54,17 +54,21 @@ FINISHED_KEPT = 4096
 class CacheStart:
     """What a request's cache started from at admission (besides computing it itself).
 
-    ``kind``: ``"hit"`` (an ordinary prefix-cache hit of ``tokens`` stock tokens) or
-    ``"entry"`` (a compressed entry: ``tokens`` logical tokens, ``dead`` head blocks null).
+    ``kind``: ``"hit"`` (an ordinary prefix-cache hit of ``tokens`` stock tokens), or the
+    kind of a compressed entry it adopted (``"compress_at"``, ``"session"``: ``tokens``
+    logical tokens, ``dead`` head blocks null, ``kept_prompt`` of its tokens kept by its
+    eviction, ``depth`` session turns behind it).
     """
 
     kind: str
     tokens: int
     dead: int = 0
+    depth: int = 0
+    kept_prompt: int | None = None
 
     @property
     def compressed(self) -> bool:
-        return self.kind == "entry"
+        return self.kind != "hit"
 
 
 @dataclass
@@ -85,6 +89,8 @@ class RequestBlocks:
     kept_prompt: int | None = None
     # Why eviction stopped for this request ("stage: reason"); it then runs uncompressed.
     disabled: str | None = None
+    # False when vLLM itself skips the prefix cache for it (e.g. prompt logprobs requested).
+    may_read: bool = True
 
     @property
     def point(self) -> int:
@@ -99,7 +105,24 @@ class RequestBlocks:
     @property
     def reads_cache(self) -> bool:
         """Whether an exact prefix-cache hit exists for its pipeline at all."""
-        return self.options.query_window >= 0 and not self.options.prefill_evict
+        return self.may_read and self.options.query_window >= 0 and not self.options.prefill_evict
+
+    @property
+    def entry_kind(self) -> str | None:
+        """The compressed entries it may adopt and leave behind (see ``eviction.entries``)."""
+        if not self.reads_cache:
+            return None
+        if self.options.compress_at is not None:
+            return "compress_at"
+        return None
+
+    def entry_options(self, kind: str) -> tuple:
+        """The options an entry of ``kind`` must share with it: those that shape its cache."""
+        o = self.options
+        shape = (o.scorer, o.pipeline, o.window, o.recent, o.sinks, o.per_head)
+        if kind == "compress_at":
+            return (o.budget, o.compress_at, *shape)
+        return (o.requested_budget, o.decode, *shape)
 
     def exact_hit(self, hit_tokens: int) -> int:
         """The longest block-aligned prefix of a ``hit_tokens`` hit this request may take.
@@ -114,14 +137,33 @@ class RequestBlocks:
         return max(0, min(hit_tokens, limit)) // self.block_size * self.block_size
 
     def copy_on_write(self, num_hit_blocks: int) -> range:
-        """Indices of the hit blocks the request must copy before it can write them."""
+        """Indices of the full hit blocks the request must copy before it can write them (a
+        request past its compress point without ``kv_decode`` never compacts again)."""
+        if self.past_point and not self.options.decode:
+            return range(0)
         return range(min(self.write_floor, num_hit_blocks), num_hit_blocks)
+
+    @property
+    def stock_kv(self) -> bool:
+        """Whether its blocks hold stock KV until compacted (not after a compressed start, not
+        with ``kv_prefill_evict``, whose later chunks attend to an evicted cache)."""
+        compressed = self.start is not None and self.start.compressed
+        return not compressed and not self.options.prefill_evict
 
     def registrable(self, num_tokens: int) -> int:
         """How many of its first ``num_tokens`` computed tokens may enter the prefix cache."""
-        if not self.reads_cache or (self.start is not None and self.start.compressed):
+        if not self.stock_kv:
             return 0
         return min(num_tokens, self.write_floor * self.block_size)
+
+    def preservable(self, order: EvictionOrder) -> range:
+        """Block indices whose stock KV the compress-point ``order`` overwrites and that the
+        prefix cache does not hold yet: full blocks from the write floor up to C, minus the
+        ones copied from a hit (their originals stay cached)."""
+        if not self.stock_kv or order.logical_len != self.point:
+            return range(0)
+        hit = self.start.tokens // self.block_size if self.start is not None else 0
+        return range(max(self.write_floor, hit, order.dead_after), self.point // self.block_size)
 
     def cut_at(self) -> int | None:
         """The token this step's prefill chunk must not run past (the compress point)."""
@@ -153,6 +195,13 @@ class RequestBlocks:
         self.past_point = self.past_point or final
         return order
 
+    def compressed_at_point(self, order: EvictionOrder | None) -> bool:
+        """Whether ``order`` is the request's eviction at its compress point (the one that
+        leaves the compressed first-C cache a ``kv_compress_at`` entry records)."""
+        return order is not None and order.logical_len == self.point and (
+            self.start is None or not self.start.compressed
+        )
+
     def commit(self, row: RowState) -> tuple[int, int] | None:
         """Adopt the worker's cumulative state; the head blocks ``[first, last)`` to free now.
 
@@ -183,6 +232,8 @@ class RequestBlocks:
         if start.compressed:
             self.dead = start.dead
             self.past_point = start.tokens >= self.point
+            if start.kept_prompt is not None and self.past_point:
+                self.kept_prompt = start.kept_prompt + self.prompt_len - start.tokens
 
     def peak_blocks(self, max_tokens: int, chunk: int) -> int:
         """Worst-case blocks of the request over its life (see ``planning.peak_blocks``)."""
@@ -212,6 +263,14 @@ class RequestBlocks:
             "scorer": self.options.scorer,
             "pipeline": self.options.pipeline,
         }
+        start = self.start
+        if start is not None and not start.compressed:
+            outcome["cached_tokens"] = start.tokens
+        elif start is not None:
+            outcome["reused_tokens"] = start.tokens
+            outcome["reused_from"] = start.kind
+            if start.kind == "session":
+                outcome["session_turn"] = start.depth + 1
         if self.disabled is not None:
             outcome["fault"] = self.disabled
         return outcome

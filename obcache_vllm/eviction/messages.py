@@ -18,12 +18,17 @@ class EvictionOrder:
     it keeps ``kept`` tokens per KV head out of the ``logical_len - dead_before*bs`` resident ones
     and writes them to the logical slots ``[dead_after*bs, logical_len)``. The scheduler frees
     blocks ``[dead_before, dead_after)`` in the same step's ``update_from_output``.
+
+    ``preserve``: ``(block index, spare block id)`` pairs: before writing its kept tokens, each
+    layer copies the request's block at that logical index (stock KV the compaction is about to
+    overwrite) into the spare block, which the scheduler then registers in the prefix cache.
     """
 
     logical_len: int
     dead_before: int
     dead_after: int
     block_size: int
+    preserve: tuple[tuple[int, int], ...] = ()
 
     @property
     def resident_before(self) -> int:

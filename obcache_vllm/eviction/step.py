@@ -116,8 +116,15 @@ class RequestKvState:
 
     @property
     def decode_mode(self) -> str:
-        """How decode-time scores accumulate: "last" (the newest query's) or "sum" (every
-        query's; window pipelines sum their decode scores as H2O does)."""
+        """How running scores accumulate: "last" (the newest query's) or "sum" (every
+        query's; window pipelines sum their decode scores as H2O does).
+
+        A query-free score (``key_norm``, ``random``) is the same whichever queries are given,
+        so it is replaced, never summed: summed once per prefill chunk or per scoring of the
+        decode buffer, its ranking would depend on how the prompt was chunked.
+        """
+        if not getattr(self.scorer, "needs_attention", True):
+            return "last"
         return self.pipeline.running_mode or "sum"
 
     @property

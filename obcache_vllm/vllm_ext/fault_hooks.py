@@ -3,9 +3,10 @@
 :func:`install` (called by :func:`obcache_vllm.vllm_ext.install.install` only when the switch
 is on) wraps, process-locally:
 
-* ``OBCacheScheduler.add_request`` (note the request's ``obcache_fault``) and
+* ``OBCacheScheduler.add_request`` (note the request's ``obcache_fault``),
   ``OBCacheScheduler._plan_request`` (``schedule``: raise at its first order; ``desync``: send
-  that order with a wrong length),
+  that order with a wrong length) and ``PrefixAdapter.lookup`` (``adopt``: raise where a
+  request would start from the prefix cache or an entry),
 * ``EvictingRunnerMixin._obcache_update_states`` (note), ``_obcache_commit`` (``report``: lose
   the report of the step whose order applied; a fired fault is spent),
 * the layer function the attention impls call (``score`` / ``compact:N`` through a
@@ -53,6 +54,18 @@ def _wrap_plan_request(original):
 
     _plan_request.__obcache_wrapped__ = True
     return _plan_request
+
+
+def _wrap_lookup(original):
+    @functools.wraps(original)
+    def lookup(self, request, blocks, ordinary):
+        if _faults.peek(request.request_id, "adopt"):
+            _faults.fire(request.request_id)
+            raise InjectedFault("adopt")
+        return original(self, request, blocks, ordinary)
+
+    lookup.__obcache_wrapped__ = True
+    return lookup
 
 
 def _wrap_update_states(original):
@@ -128,11 +141,13 @@ def _wrap_grouping(original):
 
 def install() -> None:
     """Wrap the eviction path (idempotent; only called when :func:`faults.enabled`)."""
+    from obcache_vllm.vllm_ext.engine.prefix import PrefixAdapter
     from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
     from obcache_vllm.vllm_ext.worker import attention, runner
 
     patch_method(OBCacheScheduler, "add_request", _wrap_add_request)
     patch_method(OBCacheScheduler, "_plan_request", _wrap_plan_request)
+    patch_method(PrefixAdapter, "lookup", _wrap_lookup)
     patch_method(runner.EvictingRunnerMixin, "_obcache_update_states", _wrap_update_states)
     patch_method(runner.EvictingRunnerMixin, "_obcache_commit", _wrap_commit)
     patch_method(attention, "evict_after_attention", _wrap_evict)

@@ -7,6 +7,8 @@ attribute                                       what
 ==============================================  ===========================================
 ``SchedulerOutput.obcache_orders``              ``{req_id: EvictionOrder}`` of the step
 ``SchedulerOutput.obcache_disabled``            requests whose eviction the scheduler stopped
+``SchedulerOutput.obcache_starts``              ``{req_id: dead}``: a new or resumed request
+                                                whose cache starts from a compressed entry
 ``ModelRunnerOutput.obcache_report``            the worker's :class:`EvictionReport`
 ``EngineCoreOutput.kv_transfer_params``         ``{"obcache": outcome}`` of a budgeted request
 ``SchedulerStats.obcache``                      the engine's eviction counters (a field added
@@ -32,6 +34,8 @@ ORDERS_ATTR = "obcache_orders"
 REPORT_ATTR = "obcache_report"
 # On SchedulerOutput: requests whose eviction the scheduler stopped (the worker stops scoring).
 DISABLED_ATTR = "obcache_disabled"
+# On SchedulerOutput: dead head blocks of requests that start from a compressed entry.
+STARTS_ATTR = "obcache_starts"
 # EngineCoreOutput.kv_transfer_params key carrying a budgeted request's KV outcome to the
 # front-end, and the SchedulerStats field carrying the eviction counters (see vllm_ext).
 OUTCOME_KEY = "obcache"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ENGINE_KWARGS, POOL_BLOCKS, Driver, Internals
+from helpers import ENGINE_KWARGS, POOL_BLOCKS, Driver, Internals, KvEventLog
 
 # Before any engine exists in this process (vLLM caches its env once an engine is up).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -36,14 +36,32 @@ def llm(engine_kwargs: dict) -> Iterator[object]:
     ``forced_tokens`` never see it, so every other test still compares against stock vLLM.
     """
     from vllm import LLM
+    from vllm.config import KVEventsConfig
 
+    from loadtest.launch import free_port
     from obcache_vllm.evidence.forcing import FORCE_TOKENS_FQCN
 
-    engine = LLM(**engine_kwargs, logits_processors=[FORCE_TOKENS_FQCN])
+    # KV events on, as a KV-aware router consumes them (test_prefix_cache.py reads them).
+    events = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://127.0.0.1:{free_port()}",
+        topic="kv",
+    )
+    log = KvEventLog(events.endpoint, events.topic)
+    engine = LLM(**engine_kwargs, logits_processors=[FORCE_TOKENS_FQCN], kv_events_config=events)
+    engine.obcache_kv_events = log
     yield engine
+    log.close()
     core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def kv_events(llm) -> KvEventLog:
+    """The session engine's KV events, received over ZMQ since the engine started."""
+    return llm.obcache_kv_events
 
 
 @pytest.fixture(scope="session")

@@ -168,3 +168,63 @@ def run_stock(engine_kwargs: dict, batches: list[list[dict]]) -> list[list[list[
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(result))
     return result
+
+
+class KvEventLog:
+    """Every KV-cache event batch the engine publishes (vLLM's ZMQ publisher), as a KV-aware
+    router receives them: a SUB socket on a thread, decoding with vLLM's own event types.
+
+    The SUB socket binds the loopback endpoint and the engine's publisher connects to it
+    (vLLM binds only wildcard endpoints, and tests listen on loopback only), so it must be
+    created before the engine."""
+
+    def __init__(self, endpoint: str, topic: str) -> None:
+        import threading
+
+        import zmq
+
+        self.batches: list = []
+        self._lock = threading.Lock()
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._socket.setsockopt(zmq.RCVTIMEO, 200)
+        self._socket.bind(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop.is_set():
+            try:
+                _topic, _seq, payload = self._socket.recv_multipart()
+            except zmq.Again:
+                continue
+            batch = decoder.decode(payload)
+            with self._lock:
+                self.batches.append(batch)
+
+    def events(self) -> list:
+        with self._lock:
+            return [e for b in self.batches for e in b.events]
+
+    def wait_for(self, predicate, timeout: float = 10.0) -> list:
+        """The events once ``predicate(events)`` holds (the publisher sends from a thread)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            events = self.events()
+            if predicate(events) or time.monotonic() > deadline:
+                return events
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._socket.close(linger=0)

@@ -52,6 +52,9 @@ def _params(fault: str | None):
 
 
 def _generate(engine, prompts, fault: str | None):
+    # Every run of the batch starts cold: cached prefixes would let several budgeted requests
+    # reach their compress point in the same step (one lost report, several orders).
+    assert engine.llm.reset_prefix_cache()
     outs = engine.llm.generate(
         [{"prompt_token_ids": prompts[n]} for n in NAMES], _params(fault), use_tqdm=False
     )

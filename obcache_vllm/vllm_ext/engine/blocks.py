@@ -5,6 +5,9 @@ each decided by the request's :class:`~obcache_vllm.eviction.ledger.RequestBlock
 
 * registration: ``KVCacheCoordinator.cache_blocks`` of a budgeted request commits only what
   the ledger says is registrable (stock KV below the write floor);
+* copy-on-write at admission: a prefix hit's blocks that the request's compaction will write
+  are swapped for private copies before the worker ever sees them (vLLM's own
+  ``SingleTypeKVCacheManager._apply_cow``: the copy runs before the step's forward pass);
 * admission: a ``kv_prefill_evict`` request is admitted by its bounded peak, not its whole
   prompt (vLLM's ``full_sequence_must_fit`` gate of ``KVCacheManager.allocate_slots``);
 * freeing: dead head blocks go back to the pool as vLLM's sliding window frees them
@@ -48,8 +51,11 @@ class PoolAdapter:
     # -- registration ------------------------------------------------------------------------
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         """``KVCacheCoordinator.cache_blocks`` as the ledger allows it."""
-        if request.request_id in self.ledger:
-            return
+        blocks = self.ledger.get(request.request_id)
+        if blocks is not None:
+            num_computed_tokens = blocks.registrable(num_computed_tokens)
+            if num_computed_tokens < self.group.block_size:
+                return
         self._cache_blocks(request, num_computed_tokens)
 
     # -- admission ---------------------------------------------------------------------------
@@ -67,7 +73,27 @@ class PoolAdapter:
             if peak - self.live_blocks(request.request_id) > self.pool.get_num_free_blocks():
                 return None
             kwargs["full_sequence_must_fit"] = False
-        return self._allocate_slots(request, num_new_tokens, *args, **kwargs)
+        copies = self._copies_needed(request, blocks, kwargs)
+        if copies:  # the copies' blocks must be left free after the allocation
+            kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + len(copies)
+        allocated = self._allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if allocated is not None and copies:
+            req_blocks = self.group.req_to_blocks[request.request_id]
+            for index in copies:
+                copy = self.pool.get_new_blocks(1)[0]
+                self.group._apply_cow(request.request_id, index, req_blocks[index], copy)
+                if self.group.records_new_block_ids:
+                    self.group.new_block_ids.append(copy.block_id)
+        return allocated
+
+    def _copies_needed(self, request, blocks, kwargs) -> list[int]:
+        """Which blocks of a new request's prefix hit it must copy (see the ledger)."""
+        hit = kwargs.get("new_computed_blocks")
+        if blocks is None or hit is None or self.group.req_to_blocks.get(request.request_id):
+            return []
+        hit_blocks = hit.blocks[0]
+        full = kwargs.get("num_new_computed_tokens", 0) // self.group.block_size
+        return [i for i in blocks.copy_on_write(full) if not hit_blocks[i].is_null]
 
     # -- the request's blocks ----------------------------------------------------------------
     def live_blocks(self, req_id: str) -> int:

@@ -7,6 +7,9 @@
   admitted_options`) and open the request's record in the
   :class:`~obcache_vllm.eviction.ledger.BlockLedger`. A request with kv_* fields but no
   usable wire form is a counted fault: finished with an error before it runs.
+* ``_get_local_prefix_cache_hit``: the exact part of vLLM's prefix hit, or a compressed entry
+  to adopt (:mod:`.prefix`); the worker learns an adopted request's dead blocks from the
+  step's ``obcache_starts``.
 * ``schedule``: after vLLM scheduled the step, ask the ledger for each budgeted request's
   :class:`~obcache_vllm.eviction.messages.EvictionOrder` (at the compress point, or with
   ``kv_decode`` when a decode step leaves a whole block over budget). A prefill chunk that
@@ -35,8 +38,9 @@ from obcache_vllm.eviction.ledger import BlockLedger, RequestBlocks
 from obcache_vllm.eviction.messages import EvictionOrder
 from obcache_vllm.options import WireError, admitted_options
 from obcache_vllm.vllm_ext.engine.blocks import PoolAdapter
+from obcache_vllm.vllm_ext.engine.prefix import PrefixAdapter
 from obcache_vllm.vllm_ext.engine.reporting import EngineReporter, log_fault
-from obcache_vllm.vllm_ext.wire import DISABLED_ATTR, ORDERS_ATTR, REPORT_ATTR
+from obcache_vllm.vllm_ext.wire import DISABLED_ATTR, ORDERS_ATTR, REPORT_ATTR, STARTS_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class OBCacheScheduler(Scheduler):
             self.obcache_ledger,
             self.scheduler_config.max_num_batched_tokens,
         )
+        self.obcache_prefix = PrefixAdapter(self, self.obcache_pool)
         self.obcache_reporter = EngineReporter(self.obcache_ledger)
         # Requests refused at add_request (no usable admitted options), and requests finished
         # with an error whose outputs the next update_from_output reports.
@@ -92,9 +97,31 @@ class OBCacheScheduler(Scheduler):
                           "finished with an error before it ran")  # fmt: skip
                 self._obcache_refused.append(request.request_id)
         if options is not None:
-            request.skip_reading_prefix_cache = True
-            self.obcache_ledger.open(request.request_id, options, request.num_prompt_tokens)
+            blocks = self.obcache_ledger.open(
+                request.request_id, options, request.num_prompt_tokens
+            )
+            blocks.may_read = not request.skip_reading_prefix_cache
+            # vLLM's own lookup (and its hit statistics) only for requests that can read.
+            request.skip_reading_prefix_cache = not (blocks.reads_cache or blocks.entry_kind)
         super().add_request(request)
+
+    def _get_local_prefix_cache_hit(self, request):
+        blocks = self.obcache_ledger.get(request.request_id)
+        if blocks is None or blocks.disabled is not None:
+            return super()._get_local_prefix_cache_hit(request)
+
+        def ordinary():
+            return super(OBCacheScheduler, self)._get_local_prefix_cache_hit(request)
+
+        try:
+            return self.obcache_prefix.lookup(request, blocks, ordinary)
+        except Exception as exc:  # contained: the request computes its whole prompt itself
+            reason = "injected" if isinstance(exc, InjectedFault) else type(exc).__name__
+            self.obcache_totals.count_failure("adopt", reason)
+            log_fault(request.request_id, "adopt", reason, str(exc),
+                      "recomputed without the prefix cache")  # fmt: skip
+            blocks.start = None
+            return self.kv_cache_manager.empty_kv_cache_blocks, 0, 0, False
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
         super()._preempt_request(request, *args, **kwargs)
@@ -129,11 +156,27 @@ class OBCacheScheduler(Scheduler):
                 disabled.append(req_id)
                 continue
             if order is not None:
-                orders[req_id] = order
+                orders[req_id] = self.obcache_prefix.with_preserved(
+                    self.requests[req_id], blocks, order
+                )
         setattr(output, ORDERS_ATTR, orders)
         if disabled:
             setattr(output, DISABLED_ATTR, tuple(disabled))
+        starts = self._adopted_starts(output)
+        if starts:
+            setattr(output, STARTS_ATTR, starts)
         return output
+
+    def _adopted_starts(self, output) -> dict[str, int]:
+        """Dead blocks of this step's new or resumed requests that adopted an entry."""
+        starts = {}
+        admitted = [new.req_id for new in output.scheduled_new_reqs]
+        admitted += list(output.scheduled_cached_reqs.resumed_req_ids)
+        for req_id in admitted:
+            blocks = self.obcache_ledger.get(req_id)
+            if blocks is not None and blocks.start is not None and blocks.start.compressed:
+                starts[req_id] = blocks.start.dead
+        return starts
 
     def _plan_request(self, output, request, blocks: RequestBlocks) -> EvictionOrder | None:
         """This step's order for one budgeted request, or None (may cut its prefill chunk)."""
@@ -186,9 +229,14 @@ class OBCacheScheduler(Scheduler):
                     continue
                 if request.status != RequestStatus.RUNNING:
                     continue
+                blocks = self.obcache_ledger.get(req_id)
+                order = orders.get(req_id)
+                at_point = req_id in report.applied and blocks.compressed_at_point(order)
                 freed = self.obcache_ledger.commit(req_id, row)
                 if freed is not None:
                     self.obcache_pool.free_head(req_id, *freed)
+                if at_point and blocks.entry_kind == "compress_at":
+                    self.obcache_prefix.donate_copy(request, blocks)
             for failure in report.failures:
                 blocks = self.obcache_ledger.get(failure.req_id)
                 if blocks is not None:
@@ -198,6 +246,11 @@ class OBCacheScheduler(Scheduler):
                     )  # fmt: skip
                 if failure.fatal:
                     torn.append(failure.req_id)
+        applied = set(report.applied) if report is not None else set()
+        for req_id, order in orders.items():
+            if order.preserve:  # spare blocks: registered if compacted, released either way
+                request = self.requests.get(req_id)
+                self.obcache_prefix.settle_preserved(request, order, req_id in applied)
         errored, self._obcache_errored = self._obcache_errored, []
         if torn:
             errored += self.finish_requests(torn, RequestStatus.FINISHED_ERROR)

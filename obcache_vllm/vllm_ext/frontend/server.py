@@ -53,6 +53,8 @@ SUMMED_FIELDS = (
     "freed_blocks",
     "evictions",
     "prompt_tokens_kept",
+    "cached_tokens",
+    "reused_tokens",
 )
 
 _defaults: dict[str, Any] | None = None

@@ -43,7 +43,7 @@ from obcache_vllm.eviction.step import (
     agree_across_ranks,
 )
 from obcache_vllm.options import WireError, admitted_options
-from obcache_vllm.vllm_ext.wire import DISABLED_ATTR, ORDERS_ATTR, REPORT_ATTR
+from obcache_vllm.vllm_ext.wire import DISABLED_ATTR, ORDERS_ATTR, REPORT_ATTR, STARTS_ATTR
 from obcache_vllm.vllm_ext.worker.attention import EvictingBuilderMixin
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,12 @@ class EvictingRunnerMixin:
                 state.record = self.obcache_records[new.req_id] = {}
                 while len(self.obcache_records) > _MAX_RECORDS:
                     self.obcache_records.popitem(last=False)
+        # Requests that start from a compressed entry (adopted as a prefix-cache hit): their
+        # first dead blocks are null in the block table.
+        for req_id, dead in (getattr(scheduler_output, STARTS_ATTR, None) or {}).items():
+            state = self.obcache_states.get(req_id)
+            if state is not None:
+                state.dead = dead
 
     def _obcache_drop(self, req_id: str) -> None:
         state = self.obcache_states.pop(req_id, None)

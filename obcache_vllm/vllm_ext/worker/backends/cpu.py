@@ -128,6 +128,10 @@ class CpuKvView:
                            slot_major.reshape(rows * nb, hkv, bs * d))  # fmt: skip
         self.slabs.index_copy_(0, blocks[:, :nb].reshape(-1).long(), slabs)
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Whole blocks ``src`` [n] -> ``dst`` [n] (every head, keys and values)."""
+        self.slabs.index_copy_(0, dst.long(), self.slabs.index_select(0, src.long()))
+
 
 def shift_block_table(
     table: torch.Tensor, seq_lens: torch.Tensor, dead: tuple[int, ...], block_size: int

@@ -120,6 +120,10 @@ class FlashAttnKvView:
         ids = blocks[:, :nb].reshape(-1).long()
         self.kv_cache.index_copy_(0, ids, pages.to(self.kv_cache.dtype))
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Whole blocks ``src`` [n] -> ``dst`` [n] (every head, keys and values)."""
+        self.kv_cache.index_copy_(0, dst.long(), self.kv_cache.index_select(0, src.long()))
+
 
 class DeadCounts:
     """Per-row dead-block counts staged for the device: a pinned host buffer copied without

@@ -1,0 +1,172 @@
+"""Compressed contexts kept for reuse: which exist, what exactly they hold, which one matches.
+
+A *compressed entry* is the compressed KV cache of a token prefix, left in vLLM's block pool
+as cached, evictable blocks so that a later request with the same prefix and options can
+start from it instead of recomputing and compressing it again:
+
+* ``kind="compress_at"``: a ``kv_compress_at = k`` request's cache right after its eviction at
+  k (copied out, since the request goes on writing its own blocks). A later request whose
+  first k tokens, options and cache salt are the same adopts it and prefills only the rest:
+  for query-agnostic compression that is exactly what a recompute computes.
+* ``kind="session"``: a ``kv_session`` request's final cache (its prompt and output as cached:
+  the last sampled token has no KV), taken over when it finishes. A later request whose
+  prompt starts with exactly those tokens continues from it (:mod:`obcache_vllm.options`).
+
+An entry never mixes donors: it is one request's blocks. It is keyed by the exact tokens
+(:class:`EntryKey`: vLLM's chained block hash of the full blocks, then the remaining token
+ids), the options that shaped it and the cache salt / LoRA. Its blocks live in vLLM's pool as
+free, cached blocks, each tagged with a hash of its own (:func:`tag`, never a token hash), so
+vLLM's LRU may reuse any of them at any time: an entry is valid only while every block still
+carries its tag, which the vLLM adapter checks at every lookup. The index is bounded
+(:attr:`EntryIndex.capacity`); the oldest entry goes first. Plain Python.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+TAG_PREFIX = b"obcache/entry/"  # 14 bytes; vLLM's token hashes are 32-byte digests
+
+
+def tag(entry_id: int, index: int) -> bytes:
+    """The hash an entry's ``index``-th block carries while it belongs to the entry."""
+    return TAG_PREFIX + entry_id.to_bytes(8, "big") + index.to_bytes(4, "big")
+
+
+def is_tag(block_hash: bytes) -> bool:
+    """Whether a (vLLM) block hash is one of ours; the group id bytes may follow."""
+    return block_hash.startswith(TAG_PREFIX)
+
+
+@dataclass(frozen=True)
+class EntryKey:
+    """Everything a request must share with an entry to adopt it.
+
+    ``prefix_hash`` is vLLM's chained hash of the full blocks of the entry's tokens (it
+    includes the cache salt and the LoRA adapter); ``tail`` the token ids after them.
+    """
+
+    kind: str
+    tokens: int
+    prefix_hash: bytes | None
+    tail: tuple[int, ...]
+    options: tuple
+    salt: str | None = None
+    lora: str | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One compressed context: its live blocks ``[dead, cdiv(tokens, bs))`` in the pool.
+
+    ``hashes[i]`` is the hash block ``block_ids[i]`` must still carry (its :func:`tag`, or
+    the token hash of a stock block a session kept uncompressed). ``depth`` counts the
+    session turns behind a session entry (1 for a first turn).
+    """
+
+    key: EntryKey
+    entry_id: int
+    block_ids: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    dead: int
+    depth: int = 1
+    kept_prompt: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.key.tokens
+
+
+class EntryIndex:
+    """The live entries of one engine, by key, oldest first (bounded)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[EntryKey, Entry] = OrderedDict()
+        self._next_id = 1
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self):
+        return iter(list(self._entries.values()))
+
+    def new_id(self) -> int:
+        entry_id, self._next_id = self._next_id, self._next_id + 1
+        return entry_id
+
+    def insert(self, entry: Entry) -> list[Entry]:
+        """Add ``entry`` (replacing one with the same key); returns the entries it displaced
+        (the same key's, and the oldest beyond the capacity) for the caller to release."""
+        displaced = []
+        old = self._entries.pop(entry.key, None)
+        if old is not None:
+            displaced.append(old)
+        self._entries[entry.key] = entry
+        while len(self._entries) > self.capacity:
+            displaced.append(self._entries.popitem(last=False)[1])
+        return displaced
+
+    def get(self, key: EntryKey) -> Entry | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)  # recently used
+        return entry
+
+    def remove(self, entry: Entry) -> bool:
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+            return True
+        return False
+
+    def clear(self) -> list[Entry]:
+        entries = list(self._entries.values())
+        self._entries.clear()
+        return entries
+
+    def lengths(self, kind: str, options: tuple, at_most: int) -> list[int]:
+        """Distinct token counts of ``kind`` entries with these options, longest first."""
+        found = {
+            e.key.tokens
+            for e in self._entries.values()
+            if e.key.kind == kind and e.key.options == options and e.key.tokens <= at_most
+        }
+        return sorted(found, reverse=True)
+
+    def longest(
+        self,
+        kind: str,
+        options: tuple,
+        at_most: int,
+        key_at: Callable[[int], EntryKey],
+        valid: Callable[[Entry], bool],
+    ) -> tuple[Entry | None, list[Entry]]:
+        """The longest valid entry whose key ``key_at(tokens)`` gives, and the stale ones met.
+
+        ``key_at(n)`` builds the key of a request's first ``n`` tokens; ``valid`` checks that
+        every block of an entry is still its own (stale entries are removed and returned).
+        """
+        stale: list[Entry] = []
+        for tokens in self.lengths(kind, options, at_most):
+            entry = self._entries.get(key_at(tokens))
+            if entry is None:
+                continue
+            if valid(entry):
+                self._entries.move_to_end(entry.key)
+                return entry, stale
+            self.remove(entry)
+            stale.append(entry)
+        return None, stale
+
+
+def release_order(entries: Iterable[Entry]) -> list[int]:
+    """Block ids of ``entries`` (for the caller to drop their tags), each once."""
+    seen: dict[int, None] = {}
+    for entry in entries:
+        for block_id in entry.block_ids:
+            seen.setdefault(block_id, None)
+    return list(seen)

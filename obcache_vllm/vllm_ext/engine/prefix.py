@@ -1,0 +1,284 @@
+"""Budgeted requests and vLLM's prefix cache (EngineCore process): reads, entries, KV events.
+
+What a budgeted request does with the prefix cache (each decision is the ledger's,
+:class:`~obcache_vllm.eviction.ledger.RequestBlocks`; this module applies it to vLLM's
+objects):
+
+* **Reads.** ``Scheduler._get_local_prefix_cache_hit`` (the one lookup of a new or resumed
+  request): a request whose pipeline allows an exact hit takes vLLM's ordinary hit trimmed to
+  :meth:`~obcache_vllm.eviction.ledger.RequestBlocks.exact_hit` (vLLM's own
+  ``truncate_computed_blocks``). Hit blocks its compaction will write are copied first
+  (copy-on-write at admission, :meth:`.blocks.PoolAdapter.allocate_slots`), so compaction
+  never writes a block another request can read; dead hit blocks are freed by ref count and
+  stay cached for their other readers.
+* **Compressed entries** (:mod:`obcache_vllm.eviction.entries`): a ``kv_compress_at = k``
+  request's compressed first-k cache is copied into cached blocks right after its eviction
+  (vLLM's block-copy queue, run by the worker before the next forward pass; both ends are
+  held until then); a ``kv_session`` request's final cache is taken over when it finishes. A
+  later request with the same tokens, options and cache salt adopts an entry as a prefix hit
+  ``[null] * dead + live`` (vLLM copies a partial last block itself).
+* **KV events** (``--kv-events-config``): registered blocks hold stock KV and are published
+  by vLLM as usual; entry blocks carry tags (:func:`~obcache_vllm.eviction.entries.tag`)
+  that no token lookup can match, are never published, and their ``BlockRemoved`` events are
+  dropped (``BlockPool._emit_block_removed_events``). ``reset_prefix_cache`` clears the index
+  with vLLM's hashes (and vLLM publishes ``AllBlocksCleared``).
+
+Entries follow ``--enable-prefix-caching``: without it there are no cached blocks, so no
+reads and no entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+from obcache_vllm.eviction.entries import Entry, EntryIndex, EntryKey, is_tag, tag
+from obcache_vllm.eviction.ledger import CacheStart, RequestBlocks
+from obcache_vllm.vllm_ext.patching import patch_method
+
+logger = logging.getLogger(__name__)
+
+GROUP = 0  # the single KV-cache group obcache-vllm supports
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PrefixAdapter:
+    """One scheduler's view of vLLM's prefix cache for budgeted requests."""
+
+    def __init__(self, scheduler, pool_adapter, capacity: int = 256) -> None:
+        self.scheduler = scheduler
+        self.manager = scheduler.kv_cache_manager
+        self.pool = self.manager.block_pool
+        self.group = pool_adapter.group
+        self.block_size = pool_adapter.group.block_size
+        self.enabled = bool(self.manager.enable_caching) and (
+            self.pool.hash_block_size == self.block_size
+        )
+        self.entries = EntryIndex(capacity)
+        # Counters for metrics: (kind, "hit" | "miss" | "evicted" | "created") -> count.
+        self.counts: dict[tuple[str, str], int] = {}
+        if self.enabled:
+            _filter_entry_events(self.pool)
+            manager, index = self.manager, self
+
+            reset = manager.reset_prefix_cache
+
+            @functools.wraps(reset)
+            def reset_prefix_cache():
+                done = reset()
+                if done:
+                    index.entries.clear()  # vLLM removed every hash, tags included
+                return done
+
+            manager.reset_prefix_cache = reset_prefix_cache
+
+    def count(self, kind: str, what: str, amount: int = 1) -> None:
+        self.counts[(kind, what)] = self.counts.get((kind, what), 0) + amount
+
+    # -- keys --------------------------------------------------------------------------------
+    def key_at(self, request, blocks: RequestBlocks, kind: str, tokens: int) -> EntryKey:
+        """The entry key of ``request``'s first ``tokens`` tokens."""
+        full = tokens // self.block_size
+        prefix = bytes(request.block_hashes[full - 1]) if full else None
+        lora = request.lora_request.name if request.lora_request else None
+        return EntryKey(
+            kind=kind,
+            tokens=tokens,
+            prefix_hash=prefix,
+            tail=tuple(request.all_token_ids[full * self.block_size : tokens]),
+            options=blocks.entry_options(kind),
+            salt=request.cache_salt,
+            lora=lora,
+        )
+
+    def valid(self, entry: Entry) -> bool:
+        """Every block of the entry still carries the hash it had when the entry was made."""
+        blocks = self.pool.blocks
+        return all(
+            blocks[b].block_hash == h for b, h in zip(entry.block_ids, entry.hashes, strict=True)
+        )
+
+    # -- reads -------------------------------------------------------------------------------
+    def lookup(self, request, blocks: RequestBlocks, ordinary):
+        """The prefix hit of a budgeted request: an entry to adopt, or the exact part of
+        vLLM's ordinary hit (``ordinary()``: the stock lookup). Returns vLLM's tuple."""
+        empty = (self.manager.empty_kv_cache_blocks, 0, 0, False)
+        if not self.enabled or not blocks.may_read:
+            return empty
+        kind = blocks.entry_kind
+        if kind is not None:
+            hit = self._adopt(request, blocks, kind)
+            if hit is not None:
+                return hit
+        if not blocks.reads_cache:
+            return empty
+        computed, num_local, boundary, diverged = ordinary()
+        allowed = blocks.exact_hit(num_local)
+        if allowed < num_local:
+            computed = self.manager.truncate_computed_blocks(computed, allowed)
+            num_local = allowed
+        if num_local:
+            blocks.adopt(CacheStart("hit", num_local))
+        return computed, num_local, boundary if num_local else 0, diverged and bool(num_local)
+
+    def _adopt(self, request, blocks: RequestBlocks, kind: str):
+        at_most = request.num_tokens - 1  # vLLM recomputes at least the last token
+        entry, stale = self._longest(request, blocks, kind, at_most)
+        self._release(stale, evicted=True)
+        if entry is None:
+            self.count(kind, "miss")
+            return None
+        self.count(kind, "hit")
+        hit = [self.pool.null_block] * entry.dead + [self.pool.blocks[b] for b in entry.block_ids]
+        blocks.adopt(CacheStart(kind, entry.tokens, entry.dead, depth=entry.depth,
+                                kept_prompt=entry.kept_prompt))  # fmt: skip
+        computed = self.manager.create_kv_cache_blocks((hit,))
+        return computed, entry.tokens, 0, False
+
+    def _longest(self, request, blocks, kind, at_most):
+        if kind == "compress_at":
+            if blocks.point > at_most:
+                return None, []
+            key = self.key_at(request, blocks, kind, blocks.point)
+            entry = self.entries.get(key)
+            if entry is None:
+                return None, []
+            if self.valid(entry):
+                return entry, []
+            self.entries.remove(entry)
+            return None, [entry]
+        return self.entries.longest(
+            kind,
+            blocks.entry_options(kind),
+            at_most,
+            lambda n: self.key_at(request, blocks, kind, n),
+            self.valid,
+        )
+
+    # -- stock blocks a compaction overwrites ------------------------------------------------
+    def with_preserved(self, request, blocks: RequestBlocks, order):
+        """``order`` with spare blocks for the stock KV it overwrites (:meth:`RequestBlocks.
+        preservable`), when the pool has them; the worker copies into them before compacting,
+        :meth:`settle_preserved` registers them (addressable by their tokens: stock KV)."""
+        if not self.enabled:
+            return order
+        indices = blocks.preservable(order)
+        if not indices or len(indices) > self.pool.get_num_free_blocks():
+            return order
+        spare = self.pool.get_new_blocks(len(indices))
+        pairs = tuple((i, b.block_id) for i, b in zip(indices, spare, strict=True))
+        return dataclasses.replace(order, preserve=pairs)
+
+    def settle_preserved(self, request, order, applied: bool) -> None:
+        """Register the spare blocks of an applied order, then release them to the pool (as
+        cached blocks); an order not applied only releases them."""
+        spare = [self.pool.blocks[b] for _, b in order.preserve]
+        if applied and request is not None:
+            first, last = order.preserve[0][0], order.preserve[-1][0] + 1
+            padded = [self.pool.null_block] * first + spare
+            self.pool.cache_full_blocks(request, padded, first, last, self.block_size, GROUP)
+            self.count("stock", "preserved", len(spare))
+        self.pool.free_blocks(spare)
+
+    # -- entries -----------------------------------------------------------------------------
+    def donate_copy(self, request, blocks: RequestBlocks) -> Entry | None:
+        """A ``kv_compress_at`` request just compressed its first k tokens: copy its live
+        blocks into new cached blocks (the request keeps writing its own)."""
+        if not self.enabled:
+            return None
+        req_blocks = self.group.req_to_blocks[request.request_id]
+        tokens = blocks.point
+        src = req_blocks[blocks.dead : _cdiv(tokens, self.block_size)]
+        if not src or any(b.is_null for b in src):
+            return None
+        if len(src) > self.pool.get_num_free_blocks():
+            return None  # the pool is short: no entry rather than taking a live request's room
+        dst = self.pool.get_new_blocks(len(src))
+        entry_id = self.entries.new_id()
+        hashes = []
+        for i, block in enumerate(dst):
+            key = make_block_hash_with_group_id(tag(entry_id, i), GROUP)
+            self.pool._insert_block_hash(key, block, num_tokens=None)
+            hashes.append(key)
+        # vLLM's copy queue: drained by the next schedule(), run by the worker before the next
+        # forward pass; both ends stay held until then (the drain frees one ref of each).
+        self.pool.touch(src)
+        self.group._pending_cow_copies.extend(zip(src, dst, strict=True))
+        entry = Entry(
+            key=self.key_at(request, blocks, "compress_at", tokens),
+            entry_id=entry_id,
+            block_ids=tuple(b.block_id for b in dst),
+            hashes=tuple(hashes),
+            dead=blocks.dead,
+            kept_prompt=tokens - blocks.dead * self.block_size,
+        )
+        self._insert(entry)
+        return entry
+
+    def donate_blocks(self, request, blocks: RequestBlocks) -> Entry | None:
+        """A ``kv_session`` request finished: its final cache becomes an entry (its blocks are
+        tagged before vLLM frees them, so they stay cached)."""
+        if not self.enabled:
+            return None
+        tokens = request.num_computed_tokens
+        req_blocks = self.group.req_to_blocks.get(request.request_id, [])
+        live = req_blocks[blocks.dead : _cdiv(tokens, self.block_size)]
+        if not live or any(b.is_null for b in live) or tokens <= blocks.dead * self.block_size:
+            return None
+        entry_id = self.entries.new_id()
+        hashes = []
+        for i, block in enumerate(live):
+            if block.block_hash is None:  # this request's own block: tag it
+                key = make_block_hash_with_group_id(tag(entry_id, i), GROUP)
+                self.pool._insert_block_hash(key, block, num_tokens=None)
+                hashes.append(key)
+            else:  # a stock block it shares with the prefix cache: keep its token hash
+                hashes.append(block.block_hash)
+        depth = blocks.start.depth + 1 if blocks.start and blocks.start.compressed else 1
+        entry = Entry(
+            key=self.key_at(request, blocks, "session", tokens),
+            entry_id=entry_id,
+            block_ids=tuple(b.block_id for b in live),
+            hashes=tuple(hashes),
+            dead=blocks.dead,
+            depth=depth,
+        )
+        self._insert(entry)
+        return entry
+
+    def _insert(self, entry: Entry) -> None:
+        self.count(entry.key.kind, "created")
+        self._release(self.entries.insert(entry), evicted=True)
+
+    def _release(self, entries, *, evicted: bool) -> None:
+        """Drop the tags of entries that are gone (their blocks become plain free blocks)."""
+        for entry in entries:
+            if evicted:
+                self.count(entry.key.kind, "evicted")
+            ids = {
+                b
+                for b, h in zip(entry.block_ids, entry.hashes, strict=True)
+                if is_tag(h) and self.pool.blocks[b].block_hash == h
+            }
+            if ids:
+                self.pool.evict_blocks(ids)
+
+
+def _filter_entry_events(pool) -> None:
+    """Never publish the removal of an entry tag (nothing published its storing)."""
+
+    def wrap(original):
+        @functools.wraps(original)
+        def _emit_block_removed_events(block_hashes):
+            return original([h for h in block_hashes if not is_tag(h)])
+
+        _emit_block_removed_events.__obcache_wrapped__ = True
+        return _emit_block_removed_events
+
+    patch_method(pool, "_emit_block_removed_events", wrap)

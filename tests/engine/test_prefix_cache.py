@@ -1,0 +1,217 @@
+"""Budgeted requests and vLLM's prefix cache on the real engine: exact reads, compressed reuse,
+stock blocks kept for others, KV events that tell the truth, isolation, the pool whole after.
+
+"Exact" is checked against a recompute of the same request after ``reset_prefix_cache`` (same
+engine, same chunking): the same kept tokens in every layer and the same output tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import POOL_BLOCKS, run_stock
+from texts import haystack
+
+BS = 32
+
+
+@pytest.fixture
+def fresh(engine):
+    """An engine with an empty prefix cache (and no compressed entries)."""
+    assert engine.llm.reset_prefix_cache()
+    assert len(engine.scheduler.obcache_prefix.entries) == 0
+    yield engine
+    assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+@pytest.fixture(scope="module")
+def stock(engine_kwargs, tokenizer):
+    """Stock vLLM's tokens for the document's two questions, asked in this order (the second
+    reads the first's cached blocks, as here), and for the holder of the isolation test."""
+    doc, (q1, q2) = _doc(tokenizer), _questions(tokenizer)
+    batches = [
+        [{"prompt_token_ids": doc + q1, "max_tokens": 8}],
+        [{"prompt_token_ids": doc + q2, "max_tokens": 8}],
+        [{"prompt_token_ids": doc + q1, "max_tokens": 24, "ignore_eos": True}],
+    ]
+    (first,), (second,), (holder,) = run_stock(engine_kwargs, batches)
+    return {"q1": first, "q2": second, "holder": holder}
+
+
+def _doc(tokenizer, sentences=22, seed=41):
+    return tokenizer(haystack(sentences, seed=seed)).input_ids
+
+
+def _questions(tokenizer):
+    return [
+        tokenizer(" Question: which town traded the most crates? Answer:").input_ids,
+        tokenizer(" Question: in which season did it happen? Answer:").input_ids,
+    ]
+
+
+def _generate(engine, prompt, kv=None, max_tokens=8):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=dict(kv or {}) or None)
+    out = engine.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    usage = (out.kv_transfer_params or {}).get("obcache")
+    return list(out.outputs[0].token_ids), out.num_cached_tokens, usage, out.request_id
+
+
+def _kept(engine, request_id):
+    """Kept indices per layer of the request's last eviction (the worker's records; the
+    engine's request ids carry a suffix after the one ``generate`` returns)."""
+    records = engine.runner.obcache_records
+    (key,) = [k for k in records if k == request_id or k.startswith(f"{request_id}-")]
+    record = records[key]
+    return {layer: keep.tolist() for layer, keep in record.items() if ":" not in layer}
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        pytest.param({"kv_pipeline": "tova", "kv_per_head": False}, id="tova"),
+        pytest.param({"kv_pipeline": "snapkv", "kv_window": 16}, id="snapkv"),
+    ],
+)
+def test_budgeted_reads_are_exact_and_keep_the_document_cacheable(fresh, tokenizer, stock, kv):
+    engine = fresh
+    doc, (q1, q2) = _doc(tokenizer), _questions(tokenizer)
+    kv = {"kv_budget": 0.25, "kv_scorer": "obcache_key", **kv}
+    first, cached, usage, _ = _generate(engine, doc + q1, kv)
+    assert cached == 0 and usage["evictions"] == 1
+    # The follow-up reads the document: blocks the first registered below its write floor,
+    # and the stock blocks its compaction overwrote, copied aside for the cache.
+    tokens, cached, usage, rid = _generate(engine, doc + q2, kv)
+    window = kv.get("kv_window", 1)
+    assert cached == (len(doc + q2) - window) // BS * BS >= len(doc) // BS * BS - BS
+    assert usage["cached_tokens"] == cached
+    kept = _kept(engine, rid)
+    assert engine.llm.reset_prefix_cache()
+    again, cached_again, _, rid_again = _generate(engine, doc + q2, kv)
+    assert cached_again == 0
+    assert tokens == again and kept == _kept(engine, rid_again)  # exact: as recomputed
+    # A stock request reads the whole document the budgeted ones left (and keeps stock text).
+    engine.llm.reset_prefix_cache()
+    _generate(engine, doc + q1, kv)
+    stock_tokens, stock_cached, _, _ = _generate(engine, doc + q2)
+    assert stock_cached == (len(doc + q2) - 1) // BS * BS
+    assert stock_tokens == stock["q2"]
+
+
+def test_compress_at_entries_are_adopted_exactly(fresh, tokenizer):
+    engine = fresh
+    doc, (q1, q2) = _doc(tokenizer), _questions(tokenizer)
+    kv = {"kv_budget": 0.25, "kv_compress_at": len(doc), "kv_pipeline": "tova"}
+    counts = engine.scheduler.obcache_prefix.counts
+    before = dict(counts)
+    _, _, first, _ = _generate(engine, doc + q1, kv)
+    assert first["evictions"] == 1 and "reused_tokens" not in first
+    assert counts[("compress_at", "created")] == before.get(("compress_at", "created"), 0) + 1
+    tokens, cached, usage, _ = _generate(engine, doc + q2, kv)
+    assert cached == len(doc) and usage["reused_tokens"] == len(doc)
+    assert usage["reused_from"] == "compress_at" and usage["evictions"] == 0
+    assert usage["prompt_tokens_kept"] == first["prompt_tokens_kept"] - len(q1) + len(q2)
+    assert counts[("compress_at", "hit")] == before.get(("compress_at", "hit"), 0) + 1
+    # Other options or another salt: no adoption.
+    other, _, other_usage, _ = _generate(engine, doc + q2, {**kv, "kv_recent": 8})
+    assert "reused_tokens" not in other_usage
+    assert engine.llm.reset_prefix_cache()
+    assert len(engine.scheduler.obcache_prefix.entries) == 0
+    again, cached_again, _, _ = _generate(engine, doc + q2, kv)
+    assert cached_again == 0 and tokens == again
+
+
+def test_entries_die_cleanly_under_lru(fresh, tokenizer):
+    engine = fresh
+    doc, (q1, q2) = _doc(tokenizer, sentences=12), _questions(tokenizer)
+    kv = {"kv_budget": 96, "kv_compress_at": len(doc), "kv_pipeline": "tova"}
+    _generate(engine, doc + q1, kv)
+    entry = next(iter(engine.scheduler.obcache_prefix.entries))
+    # Unrelated prompts fill the pool: vLLM's LRU reuses every free block, the entry's too.
+    for seed in range(4):
+        _generate(engine, _doc(tokenizer, sentences=60, seed=seed), max_tokens=1)
+    assert not engine.scheduler.obcache_prefix.valid(entry)
+    tokens, cached, usage, _ = _generate(engine, doc + q2, kv)
+    assert "reused_tokens" not in usage and usage["evictions"] == 1  # recomputed
+    assert engine.scheduler.obcache_prefix.counts[("compress_at", "evicted")] >= 1
+
+
+def test_kv_events_tell_the_truth(fresh, tokenizer, kv_events):
+    """A subscriber's view of the cache (BlockStored minus BlockRemoved since the last
+    AllBlocksCleared) is exactly the token-addressable blocks in the pool; entry tags are
+    never published."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+    from obcache_vllm.eviction.entries import is_tag, tag
+
+    engine = fresh
+    events = kv_events.wait_for(lambda ev: any(isinstance(e, AllBlocksCleared) for e in ev))
+    cleared = len(events)
+    doc, (q1, q2) = _doc(tokenizer), _questions(tokenizer)
+    _generate(engine, doc + q1, {"kv_budget": 0.25, "kv_compress_at": len(doc)})
+    _generate(engine, doc + q2, {"kv_budget": 0.25, "kv_compress_at": len(doc)})
+    _generate(engine, doc + q2, {"kv_budget": 0.25, "kv_pipeline": "tova"})
+    pool = engine.pool
+    assert any(is_tag(key) for key in pool.cached_block_hash_to_block._cache)  # an entry
+    for seed in range(3):  # LRU pressure: entry blocks and registered blocks are reused
+        _generate(engine, _doc(tokenizer, sentences=60, seed=seed), max_tokens=1)
+    keys = list(pool.cached_block_hash_to_block._cache)
+    # As published (vLLM may publish int hashes: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+    expected = {maybe_convert_block_hash(get_block_hash(k)) for k in keys if not is_tag(k)}
+
+    def view(evs):
+        stored = set()
+        for e in evs[cleared:]:
+            if isinstance(e, AllBlocksCleared):
+                stored.clear()
+            elif isinstance(e, BlockStored):
+                stored.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                stored.difference_update(e.block_hashes)
+        return stored
+
+    events = kv_events.wait_for(lambda ev: view(ev) == expected)
+    assert view(events) == expected and expected
+    published = {h for e in events for h in getattr(e, "block_hashes", [])}
+    made = engine.scheduler.obcache_prefix.entries._next_id
+    tags = {maybe_convert_block_hash(tag(i, j)) for i in range(made) for j in range(64)}
+    assert not published & tags
+    before = len(events)
+    assert engine.llm.reset_prefix_cache()
+    assert len(engine.scheduler.obcache_prefix.entries) == 0  # the index follows the reset
+    _generate(engine, q1, max_tokens=1)  # vLLM publishes the clear with the next step
+    events = kv_events.wait_for(lambda ev: any(isinstance(e, AllBlocksCleared)
+                                               for e in ev[before:]))  # fmt: skip
+    assert any(isinstance(e, AllBlocksCleared) for e in events[before:])
+
+
+def test_compaction_never_writes_a_block_another_request_reads(fresh, driver, tokenizer, stock):
+    """A stock request that holds the document's blocks runs while a budgeted one reads them
+    and compacts: the stock one keeps stock vLLM's tokens (copy-on-write at admission)."""
+    engine = fresh
+    doc, (q1, q2) = _doc(tokenizer), _questions(tokenizer)
+    stock_id = driver.add("holder", doc + q1, 24, ignore_eos=True)
+    for _ in range(3):  # the holder's prompt is cached, it decodes on
+        driver.step()
+    reader = driver.add("reader", doc + q2, 8, kv_budget=0.25, kv_pipeline="tova")
+    out = driver.run()
+    held = max(s[reader].computed for s in driver.trace if reader in s)
+    assert held >= len(doc + q2)
+    assert out[stock_id] == stock["holder"]
+    assert engine.scheduler.obcache_totals.evictions >= 1
+
+
+def test_a_failed_adoption_falls_back_to_a_recompute(fresh, tokenizer):
+    engine = fresh
+    doc, (q1, q2) = _doc(tokenizer), _questions(tokenizer)
+    kv = {"kv_budget": 0.25, "kv_compress_at": len(doc), "kv_pipeline": "tova"}
+    _generate(engine, doc + q1, kv)
+    failures = dict(engine.scheduler.obcache_totals.failures)
+    tokens, cached, usage, _ = _generate(engine, doc + q2, {**kv, "obcache_fault": "adopt"})
+    assert cached == 0 and usage["evictions"] == 1 and "reused_tokens" not in usage
+    assert engine.scheduler.obcache_totals.failures[("adopt", "injected")] == (
+        failures.get(("adopt", "injected"), 0) + 1
+    )
+    again, _, usage_again, _ = _generate(engine, doc + q2, kv)
+    assert usage_again["reused_tokens"] == len(doc) and again == tokens

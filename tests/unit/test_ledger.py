@@ -1,0 +1,108 @@
+"""The block ledger on plain values: what a budgeted request may read, copy, register, free."""
+
+from __future__ import annotations
+
+import pytest
+
+from obcache_vllm.eviction.ledger import BlockLedger, CacheStart
+from obcache_vllm.eviction.messages import RowState
+from obcache_vllm.options import parse_kv_options
+
+BS = 32
+
+
+def _open(prompt_len=1000, **kv):
+    ledger = BlockLedger(BS)
+    options = parse_kv_options({"kv_budget": 256, **kv}, prompt_len)
+    return ledger, ledger.open("r", options, prompt_len)
+
+
+def test_write_floor_bounds_every_order_of_the_request():
+    _, blocks = _open(kv_decode=True, kv_pipeline="tova")
+    floor = blocks.write_floor
+    assert floor == (1000 - 256) // BS
+    first = blocks.can_compact(1000, is_prefill_chunk=False)
+    assert first is not None and first.dead_after == floor
+    blocks.commit(RowState(first.dead_after, 1, first.tokens_evicted))
+    for length in range(1001, 1400):  # every later decode-time order writes above the floor
+        order = blocks.can_compact(length, is_prefill_chunk=False)
+        if order is not None:
+            assert order.dead_after >= floor
+            blocks.commit(RowState(order.dead_after, blocks.evictions + 1, 0))
+
+
+@pytest.mark.parametrize(
+    "kv, limit",
+    [
+        pytest.param({"kv_pipeline": "snapkv", "kv_window": 64}, 936 // BS * BS, id="snapkv"),
+        pytest.param({"kv_pipeline": "tova"}, 999 // BS * BS, id="tova"),
+        pytest.param({"kv_pipeline": "streaming"}, 999 // BS * BS, id="streaming"),
+        pytest.param({"kv_pipeline": "h2o"}, 0, id="h2o-needs-every-query"),
+        pytest.param({"kv_pipeline": "tova", "kv_prefill_evict": True}, 0, id="prefill-evict"),
+        pytest.param({"kv_pipeline": "tova", "kv_compress_at": 500}, 499 // BS * BS, id="at-k"),
+    ],
+)
+def test_exact_hit_leaves_the_queries_the_pipeline_scores(kv, limit):
+    _, blocks = _open(**kv)
+    assert blocks.exact_hit(10_000) == limit
+    assert blocks.exact_hit(100) == min(96, limit)  # block-aligned, never more than offered
+
+
+def test_hit_blocks_at_or_above_the_floor_are_copied_before_compaction():
+    _, blocks = _open(kv_pipeline="tova")
+    floor = blocks.write_floor
+    assert list(blocks.copy_on_write(floor + 3)) == [floor, floor + 1, floor + 2]
+    assert list(blocks.copy_on_write(floor - 2)) == []  # all below: shared as they are
+
+
+def test_registration_stops_at_the_floor_and_never_after_adopting_compressed_kv():
+    _, blocks = _open(kv_pipeline="tova")
+    assert blocks.registrable(900) == blocks.write_floor * BS
+    assert blocks.registrable(100) == 100
+    blocks.adopt(CacheStart("compress_at", 500, dead=3))
+    assert blocks.registrable(900) == 0
+    _, prefill_evict = _open(kv_pipeline="tova", kv_prefill_evict=True)
+    assert prefill_evict.registrable(900) == 0
+
+
+def test_commit_frees_what_the_worker_compacted_even_after_a_lost_report():
+    ledger, blocks = _open(kv_pipeline="tova")
+    order = blocks.can_compact(1000, is_prefill_chunk=False)
+    assert blocks.past_point and blocks.cut_at() is None
+    # The report of that step is lost; the next one carries the cumulative state.
+    freed = ledger.commit("r", RowState(order.dead_after, 1, order.tokens_evicted, 256 + 8))
+    assert freed == (0, order.dead_after)
+    assert ledger.commit("r", RowState(order.dead_after, 1, order.tokens_evicted)) is None
+    assert ledger.totals.blocks_freed == order.dead_after and ledger.totals.evictions == 1
+    assert ledger.totals.by_option[("obcache_key", "tova")] == [
+        order.tokens_evicted, order.dead_after, 1
+    ]
+
+
+def test_preemption_resets_and_release_records():
+    ledger, blocks = _open(kv_pipeline="tova")
+    order = blocks.can_compact(1000, is_prefill_chunk=False)
+    ledger.commit("r", RowState(order.dead_after, 1, order.tokens_evicted))
+    assert ledger.reset("r") and ledger.totals.compressed_preemptions == 1
+    assert blocks.dead == 0 and not blocks.past_point and blocks.start is None
+    assert not ledger.reset("r")  # nothing compressed since: not counted again
+    record = ledger.release("r", 1003)
+    assert record.resident_tokens == 1003 and "r" not in ledger
+    assert ledger.finished[-1] is record
+
+
+def test_no_order_before_the_compress_point_unless_prefill_evict():
+    _, blocks = _open(kv_pipeline="tova", kv_compress_at=600)
+    assert blocks.cut_at() == 600
+    assert blocks.can_compact(512, is_prefill_chunk=True) is None
+    assert blocks.can_compact(600, is_prefill_chunk=True) is not None
+    _, bounded = _open(kv_pipeline="tova", kv_prefill_evict=True)
+    assert bounded.can_compact(512, is_prefill_chunk=True) is not None
+    assert not bounded.past_point  # the compress point (the prompt's end) is still ahead
+
+
+def test_adopting_a_compressed_entry_inherits_its_dead_blocks():
+    _, blocks = _open(kv_pipeline="tova", kv_compress_at=600)
+    blocks.adopt(CacheStart("compress_at", 600, dead=10))
+    assert blocks.dead == 10 and blocks.past_point and blocks.cut_at() is None
+    assert blocks.can_compact(1000, is_prefill_chunk=False) is None  # no decode eviction asked
