@@ -65,6 +65,30 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("self", "request", "num_computed_tokens"),
     ),
     ("vllm.v1.core.block_pool", "BlockPool.is_block_writable", ("self", "block")),
+    # The prefix cache (engine/prefix.py, engine/blocks.py): the one lookup of a new or
+    # resumed request, trimming a hit, building one, vLLM's copy-on-write of hit blocks
+    # (drained into SchedulerOutput.kv_cache_block_copies, run by the worker before the
+    # forward pass), entry tags and their events, registering preserved stock blocks.
+    ("vllm.v1.core.sched.scheduler", "Scheduler._get_local_prefix_cache_hit", ("self", "request")),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.finish_requests",
+     ("self", "request_ids", "finished_status")),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.truncate_computed_blocks",
+     ("self", "blocks", "num_computed_tokens")),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.create_kv_cache_blocks", ("self", "blocks")),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.reset_prefix_cache", ("self",)),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager._apply_cow",
+     ("self", "request_id", "block_idx", "source_block", "cow_block")),
+    ("vllm.v1.core.block_pool", "BlockPool._insert_block_hash",
+     ("self", "block_hash_with_group_id", "block", "num_tokens")),
+    ("vllm.v1.core.block_pool", "BlockPool.cache_full_blocks",
+     ("self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size",
+      "kv_cache_group_id")),
+    ("vllm.v1.core.block_pool", "BlockPool.touch", ("self", "blocks")),
+    ("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks")),
+    ("vllm.v1.core.block_pool", "BlockPool.free_blocks", ("self", "ordered_blocks")),
+    ("vllm.v1.core.block_pool", "BlockPool.evict_blocks", ("self", "block_ids")),
+    ("vllm.v1.core.block_pool", "BlockPool._emit_block_removed_events", ("self", "block_hashes")),
+    ("vllm.v1.core.kv_cache_utils", "make_block_hash_with_group_id", ("block_hash", "group_id")),
     # kv_prefill_evict: admission by bounded peak (scheduler.py), pools smaller than the
     # context (capacity.py).
     (
@@ -174,7 +198,7 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("self", "request_id", "prompt", "params"),
     ),
     ("vllm.v1.attention.backends.registry", "register_backend", ("backend", "class_path")),
-    # support.py: the prompt length of token-id and prompt-embeds requests alike.
+    # frontend/admission.py: the prompt length of token-id and prompt-embeds requests alike.
     (
         "vllm.utils",
         "length_from_prompt_token_ids_or_embeds",
@@ -289,7 +313,7 @@ STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("input_batch", "discard_request_mask"),
     ),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch", ("generators", "num_reqs")),
-    # support.py: what budgeted requests are refused with (read in the front end).
+    # frontend/admission.py: what budgeted requests are refused with (read in the front end).
     (
         "vllm.config.parallel",
         "ParallelConfig",
@@ -323,8 +347,20 @@ STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "vllm.v1.request",
         "Request",
-        ("num_computed_tokens", "num_in_flight_tokens", "is_prefill_chunk", "num_prompt_tokens"),
+        ("num_computed_tokens", "num_in_flight_tokens", "is_prefill_chunk", "num_prompt_tokens",
+         "block_hashes", "cache_salt", "lora_request", "skip_reading_prefix_cache"),
     ),
+    (
+        "vllm.v1.core.single_type_kv_cache_manager",
+        "SingleTypeKVCacheManager",
+        ("req_to_blocks", "_pending_cow_copies", "new_block_ids", "block_size"),
+    ),
+    ("vllm.v1.core.block_pool", "BlockPool", ("blocks", "null_block", "hash_block_size",
+                                               "cached_block_hash_to_block")),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", ("enable_caching", "block_pool",
+                                                         "empty_kv_cache_blocks")),
+    ("vllm.v1.core.sched.output", "SchedulerOutput", ("scheduled_new_reqs",
+                                                      "scheduled_cached_reqs")),
 )
 
 # The module whose presence means "this process serves vLLM's OpenAI API" (imported by the
