@@ -37,10 +37,11 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "kv_compress_at": None,  # a prompt position: per request only
     "kv_per_head": True,
     "kv_prefill_evict": False,
+    "kv_session": None,  # a conversation's continuation: per request only
 }
 assert tuple(BUILTIN_DEFAULTS) == options.WIRE_FIELDS
 # Options that depend on the request's own prompt: no server-wide default.
-PER_REQUEST_ONLY = ("kv_compress_at",)
+PER_REQUEST_ONLY = ("kv_compress_at", "kv_session")
 
 
 class ConfigError(ValueError):
@@ -90,7 +91,9 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
         )
     fixed = [k for k in PER_REQUEST_ONLY if defaults.get(k) is not None]
     if fixed:
-        raise ConfigError(f"{source}: {fixed[0]} is a per-request option (a prompt position)")
+        raise ConfigError(
+            f"{source}: {fixed[0]} is a per-request option (it depends on the request's prompt)"
+        )
     probe = {k: v for k, v in defaults.items() if v is not None}
     probe.setdefault("kv_budget", 1 << 20)
     try:

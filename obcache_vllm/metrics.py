@@ -89,6 +89,33 @@ COMPRESSED_PREEMPTIONS = MetricSpec(
     "their KV from the tokens, and the budget evicts again.",
 )
 
+COMPRESSED_LOOKUPS = MetricSpec(
+    "vllm:obcache_compressed_lookups",
+    "counter",
+    "Budgeted requests that looked for a cached compressed context (kv_compress_at, kv_session) "
+    "and found one (result=hit, it was adopted) or not (result=miss), by kind.",
+    ("kind", "result"),
+)
+COMPRESSED_ENTRIES = MetricSpec(
+    "vllm:obcache_compressed_entries",
+    "counter",
+    "Compressed contexts left in the prefix cache (event=created) and gone again under the "
+    "pool's LRU, the index bound or a replacement (event=evicted), by kind.",
+    ("kind", "event"),
+)
+REUSED_TOKENS = MetricSpec(
+    "vllm:obcache_reused_tokens",
+    "counter",
+    "Prompt tokens not recomputed because a request adopted a compressed context, by kind.",
+    ("kind",),
+)
+PRESERVED_BLOCKS = MetricSpec(
+    "vllm:obcache_preserved_blocks",
+    "counter",
+    "Blocks of stock KV copied aside before a compaction overwrote them and registered in the "
+    "prefix cache (so later requests read the whole prompt).",
+)
+
 METRICS: tuple[MetricSpec, ...] = (
     EVICTED_TOKENS,
     FREED_BLOCKS,
@@ -99,4 +126,8 @@ METRICS: tuple[MetricSpec, ...] = (
     REJECTED_REQUESTS,
     EVICTION_FAILURES,
     COMPRESSED_PREEMPTIONS,
+    COMPRESSED_LOOKUPS,
+    COMPRESSED_ENTRIES,
+    REUSED_TOKENS,
+    PRESERVED_BLOCKS,
 )

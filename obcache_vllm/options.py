@@ -36,6 +36,12 @@ kv_prefill_evict
                 prompt longer than the KV pool can be served. Each chunk's eviction is scored
                 with the queries prefilled so far (as ``kv_compress_at`` at that chunk's end).
                 Default false
+kv_session      true: continue from the compressed cache an earlier ``kv_session`` request
+                left behind, if its tokens (prompt and output, as cached) are exactly a
+                prefix of this prompt and its options and cache salt are the same; leave this
+                request's final cache for the next turn. Not with h2o (its running sums
+                would have to travel with the cache), ``kv_compress_at`` or
+                ``kv_prefill_evict``. Default false
 ==============  =========================================================================
 
 Budget rule (see :mod:`obcache_vllm.eviction.planning`): eviction frees whole KV blocks only,
@@ -64,6 +70,7 @@ WIRE_FIELDS = (
     "kv_compress_at",
     "kv_per_head",
     "kv_prefill_evict",
+    "kv_session",
 )
 
 # kv_-prefixed extra_args keys that belong to vLLM, not to us (KV-connector transfer params).
@@ -135,6 +142,7 @@ class KvOptions:
     compress_at: int | None = None
     per_head: bool = True
     prefill_evict: bool = False
+    session: bool = False
     requested_budget: int | float | None = field(default=None, compare=False)
 
     def compress_point(self, num_prompt_tokens: int) -> int:
@@ -197,6 +205,7 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "compress_at": (int, type(None)),
     "per_head": (bool,),
     "prefill_evict": (bool,),
+    "session": (bool,),
     "requested_budget": (int, float, type(None)),
 }
 assert tuple(_WIRE_TYPES) == tuple(f.name for f in _OPTION_FIELDS)
@@ -220,6 +229,7 @@ class KvRequest:
     compress_at: int | None = None
     per_head: bool = True
     prefill_evict: bool = False
+    session: bool = False
 
     def resolve(self, num_prompt_tokens: int, max_model_len: int | None = None) -> KvOptions:
         """The options of this request on a prompt of ``num_prompt_tokens`` tokens.
@@ -262,6 +272,7 @@ class KvRequest:
             compress_at=self.compress_at,
             per_head=self.per_head,
             prefill_evict=self.prefill_evict,
+            session=self.session,
             requested_budget=self.budget,
         )
 
@@ -273,6 +284,24 @@ def _check_room(budget: int, sinks: int, recent: int) -> None:
             f"budget {budget} must exceed kv_sinks + kv_recent = {sinks + recent}",
             budget,
         )
+
+
+def _check_session(request: KvRequest) -> None:
+    """What a continued cache cannot carry (see ``kv_session`` above)."""
+    if request.pipeline == "h2o":
+        raise KvOptionsError(
+            "kv_session",
+            "not supported with kv_pipeline h2o: its running sums of every query would have to "
+            "travel with the cache; use tova, snapkv or streaming",
+            True,
+        )
+    for name, value in (("kv_compress_at", request.compress_at),
+                        ("kv_prefill_evict", request.prefill_evict or None)):  # fmt: skip
+        if value is not None:
+            raise KvOptionsError(
+                "kv_session", f"cannot be combined with {name} (a session compresses at the "
+                "end of each prompt)", True,
+            )  # fmt: skip
 
 
 def _known_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -380,7 +409,10 @@ def parse_request(raw: Mapping[str, Any] | None) -> KvRequest | None:
         compress_at=compress_at,
         per_head=_bool_field(raw, "kv_per_head", True),
         prefill_evict=_bool_field(raw, "kv_prefill_evict", False),
+        session=_bool_field(raw, "kv_session", False),
     )
+    if request.session:
+        _check_session(request)
     if isinstance(request.budget, int):  # a fraction is checked when it is resolved
         _check_room(request.budget, request.sinks, request.recent)
     return request

@@ -112,9 +112,21 @@ class RequestBlocks:
         """The compressed entries it may adopt and leave behind (see ``eviction.entries``)."""
         if not self.reads_cache:
             return None
+        if self.options.session:
+            return "session"
         if self.options.compress_at is not None:
             return "compress_at"
         return None
+
+    def may_continue(self, finished_normally: bool) -> bool:
+        """Whether its final cache may be left for a session's next turn: finished (stopped
+        or at its length limit, not aborted or in error), past its compress point, no fault."""
+        return (
+            self.entry_kind == "session"
+            and finished_normally
+            and self.past_point
+            and self.disabled is None
+        )
 
     def entry_options(self, kind: str) -> tuple:
         """The options an entry of ``kind`` must share with it: those that shape its cache."""
@@ -232,7 +244,7 @@ class RequestBlocks:
         if start.compressed:
             self.dead = start.dead
             self.past_point = start.tokens >= self.point
-            if start.kept_prompt is not None and self.past_point:
+            if start.kept_prompt is not None:  # until an eviction of its own prompt
                 self.kept_prompt = start.kept_prompt + self.prompt_len - start.tokens
 
     def peak_blocks(self, max_tokens: int, chunk: int) -> int:

@@ -325,7 +325,8 @@ STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     ("vllm.config.scheduler", "SchedulerConfig", ("async_scheduling", "scheduler_cls")),
-    ("vllm.config.cache", "CacheConfig", ("cache_dtype", "kv_sharing_fast_prefill")),
+    ("vllm.config.cache", "CacheConfig",
+     ("cache_dtype", "kv_sharing_fast_prefill", "enable_prefix_caching")),
     (
         "vllm.config.model",
         "ModelConfig",

@@ -93,7 +93,21 @@ PLAUSIBLE = {
     "kv_compress_at": st.integers(120, 350),  # long prompt only (360 tokens)
     "kv_per_head": st.booleans(),
     "kv_prefill_evict": st.booleans(),
+    "kv_session": st.booleans(),
 }
+# A session cannot carry h2o's sums, nor combine with kv_compress_at / kv_prefill_evict.
+SESSION_CONFLICTS = {"kv_pipeline": "h2o", "kv_compress_at": None, "kv_prefill_evict": True}
+
+
+def _consistent(fields):
+    """A plausible option set without kv_session's conflicts (it would be a valid 400)."""
+    values = {k: v for _, k, v in fields}
+    if values.get("kv_session") is not True:
+        return fields
+    clash = any(
+        k in values and (want is None or values[k] == want) for k, want in SESSION_CONFLICTS.items()
+    )
+    return [f for f in fields if f[1] != "kv_session"] if clash else fields
 
 
 def values_for(name: str):
@@ -124,7 +138,7 @@ def kv_fields(draw, long: bool, plausible: bool) -> list[tuple[str, str, object]
         others = [f for f in WIRE_FIELDS if f != "kv_budget" and (long or f != "kv_compress_at")]
         for name in draw(st.sets(st.sampled_from(others), max_size=4)):
             out.append((draw(places), name, draw(PLAUSIBLE[name])))
-        return out
+        return _consistent(out)
     out = []
     for _ in range(draw(st.integers(0, 5))):
         name = draw(kv_names)
@@ -137,7 +151,8 @@ def kv_fields(draw, long: bool, plausible: bool) -> list[tuple[str, str, object]
 # Valid whatever else a plausible case holds (kv_compress_at depends on the prompt: not here).
 PLAUSIBLE_VALUE = {"kv_budget": 64, "kv_scorer": "attn", "kv_pipeline": "tova", "kv_window": 8,
                    "kv_recent": 4, "kv_sinks": 2, "kv_decode": False,
-                   "kv_per_head": True, "kv_prefill_evict": False}  # fmt: skip
+                   "kv_per_head": True, "kv_prefill_evict": False,
+                   "kv_session": False}  # fmt: skip
 DUPLICABLE = sorted(PLAUSIBLE_VALUE)
 
 GENERIC = {

@@ -58,3 +58,34 @@ def test_vllm_xargs_values_are_checked_on_their_own():
         server.parse_fields(xargs, None)
     assert info.value.field == "kv_budget"
     assert server.parse_fields({"kv_budget": 64, "other": 2**64}, None).budget == 64
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({"kv_pipeline": "h2o"}, id="h2o"),
+        pytest.param({"kv_compress_at": 100}, id="compress-at"),
+        pytest.param({"kv_prefill_evict": True}, id="prefill-evict"),
+    ],
+)
+def test_sessions_refuse_what_a_continued_cache_cannot_carry(extra):
+    with pytest.raises(KvOptionsError) as info:
+        parse_kv_options({**BUDGET, "kv_session": True, **extra}, 500)
+    assert info.value.field == "kv_session"
+    assert parse_kv_options({**BUDGET, "kv_session": False, **extra}, 500) is not None
+
+
+def test_the_wire_form_round_trips_and_refuses_what_it_does_not_know():
+    from obcache_vllm.options import KvOptions, WireError, admitted_options
+
+    opts = parse_kv_options({"kv_budget": 0.25, "kv_session": True, "kv_decode": 1}, 500)
+    wire = opts.to_wire()
+    assert KvOptions.from_wire(list(wire)) == opts  # msgspec turns the tuple into a list
+    assert KvOptions.from_wire(wire).requested_budget == 0.25
+    assert admitted_options({"obcache": wire, "other": 1}) == opts
+    assert admitted_options({"other": 1}) is None
+    for broken in (wire[:-1], ("obcache/0", *wire[1:]), (wire[0], "x", *wire[2:]), 7):
+        with pytest.raises(WireError):
+            KvOptions.from_wire(broken)
+    with pytest.raises(WireError, match="bypassed"):  # kv_* fields but never admitted
+        admitted_options({"kv_budget": 64})

@@ -61,7 +61,8 @@ class PrefixAdapter:
             self.pool.hash_block_size == self.block_size
         )
         self.entries = EntryIndex(capacity)
-        # Counters for metrics: (kind, "hit" | "miss" | "evicted" | "created") -> count.
+        # Cumulative counters for metrics: (kind, what) -> count, what in hit, miss, created,
+        # evicted, reused_tokens (kind "stock": preserved blocks).
         self.counts: dict[tuple[str, str], int] = {}
         if self.enabled:
             _filter_entry_events(self.pool)
@@ -135,6 +136,7 @@ class PrefixAdapter:
             self.count(kind, "miss")
             return None
         self.count(kind, "hit")
+        self.count(kind, "reused_tokens", entry.tokens)
         hit = [self.pool.null_block] * entry.dead + [self.pool.blocks[b] for b in entry.block_ids]
         blocks.adopt(CacheStart(kind, entry.tokens, entry.dead, depth=entry.depth,
                                 kept_prompt=entry.kept_prompt))  # fmt: skip
@@ -248,6 +250,7 @@ class PrefixAdapter:
             hashes=tuple(hashes),
             dead=blocks.dead,
             depth=depth,
+            kept_prompt=tokens - blocks.dead * self.block_size,
         )
         self._insert(entry)
         return entry

@@ -38,8 +38,9 @@ def log_fault(req_id: str, stage: str, reason: str, detail: str, fate: str) -> N
 class EngineReporter:
     """Outcomes and stats of one scheduler's budgeted requests."""
 
-    def __init__(self, ledger: BlockLedger) -> None:
+    def __init__(self, ledger: BlockLedger, prefix_counts: dict | None = None) -> None:
         self.ledger = ledger
+        self.prefix_counts = prefix_counts if prefix_counts is not None else {}
         # Drained by make_stats: eviction seconds per step, finished requests.
         self._seconds: deque[float] = deque(maxlen=_PENDING_MAX)
         self._finished: deque[FinishedKvRecord] = deque(maxlen=_PENDING_MAX)
@@ -94,5 +95,6 @@ class EngineReporter:
                 "compressed_preemptions": totals.compressed_preemptions,
                 "seconds": seconds,
                 "finished": finished,
+                "prefix": [[k, w, n] for (k, w), n in self.prefix_counts.items()],
             },
         )

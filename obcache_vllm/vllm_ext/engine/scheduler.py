@@ -57,7 +57,7 @@ class OBCacheScheduler(Scheduler):
             self.scheduler_config.max_num_batched_tokens,
         )
         self.obcache_prefix = PrefixAdapter(self, self.obcache_pool)
-        self.obcache_reporter = EngineReporter(self.obcache_ledger)
+        self.obcache_reporter = EngineReporter(self.obcache_ledger, self.obcache_prefix.counts)
         # Requests refused at add_request (no usable admitted options), and requests finished
         # with an error whose outputs the next update_from_output reports.
         self._obcache_refused: list[str] = []
@@ -133,6 +133,13 @@ class OBCacheScheduler(Scheduler):
                         blocks.evictions)  # fmt: skip
 
     def _free_request(self, request, *args, **kwargs):
+        blocks = self.obcache_ledger.get(request.request_id)
+        if blocks is not None:
+            finished = request.status in (
+                RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED
+            )  # fmt: skip
+            if blocks.may_continue(finished):  # the session's next turn continues from here
+                self.obcache_prefix.donate_blocks(request, blocks)
         self.obcache_reporter.finished(request)
         return super()._free_request(request, *args, **kwargs)
 

@@ -173,6 +173,13 @@ def admit(
             "not supported for requests with prompt embeddings (prompt_embeds)",
             options.budget,
         )
+    if options.session and not vllm_config.cache_config.enable_prefix_caching:
+        raise KvOptionsError(
+            "kv_session",
+            "needs prefix caching (the continued cache lives in vLLM's prefix cache); the "
+            "server runs with --no-enable-prefix-caching",
+            True,
+        )
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp > 1 and not options.per_head:
         raise KvOptionsError(

@@ -59,6 +59,10 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         self.obcache_rejected = made[metrics.REJECTED_REQUESTS.name]
         self.obcache_failures = made[metrics.EVICTION_FAILURES.name]
         self.obcache_preempted = made[metrics.COMPRESSED_PREEMPTIONS.name]
+        self.obcache_lookups = made[metrics.COMPRESSED_LOOKUPS.name]
+        self.obcache_entries = made[metrics.COMPRESSED_ENTRIES.name]
+        self.obcache_reused = made[metrics.REUSED_TOKENS.name]
+        self.obcache_preserved = made[metrics.PRESERVED_BLOCKS.name]
         # The scheduler reports cumulative totals; the last one seen per (engine, metric, labels).
         self._obcache_seen: dict[tuple, int] = {}
         _live_rejections = self.obcache_rejected
@@ -87,6 +91,15 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         for stage, reason, count in payload.get("failures", ()):
             self._advance(engine_idx, self.obcache_failures, count, stage=stage, reason=reason)
         self._advance(engine_idx, self.obcache_preempted, payload.get("compressed_preemptions", 0))
+        for kind, what, count in payload.get("prefix", ()):
+            if what in ("hit", "miss"):
+                self._advance(engine_idx, self.obcache_lookups, count, kind=kind, result=what)
+            elif what in ("created", "evicted"):
+                self._advance(engine_idx, self.obcache_entries, count, kind=kind, event=what)
+            elif what == "reused_tokens":
+                self._advance(engine_idx, self.obcache_reused, count, kind=kind)
+            elif what == "preserved":
+                self._advance(engine_idx, self.obcache_preserved, count)
         for seconds in payload.get("seconds", ()):
             self.obcache_seconds.observe(seconds)
         for resident, kept_prompt, prompt_len in payload.get("finished", ()):
