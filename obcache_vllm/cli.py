@@ -3,7 +3,10 @@
     obcache-vllm model pull [--force]   convert the default model into the cache, print its path
     obcache-vllm model path             print the default model's path (no conversion)
     obcache-vllm model verify           re-hash the cached model against its manifest
-    obcache-vllm serve [VLLM ARGS...]   vLLM's OpenAI-compatible server, plugin loaded
+    obcache-vllm serve [VLLM ARGS...]   vLLM's OpenAI-compatible server, plugin loaded; the
+                                        server policy: --default-kv-budget 0.25
+                                        --default-kv-when pressure --default-min-prompt-tokens N
+                                        (any kv_* option: --default-kv-<name> VALUE)
     obcache-vllm eval run|report|kvpress  accuracy evidence (see obcache_vllm/evidence/eval/)
 
 Import cost: stdlib only; vLLM is imported by ``serve`` after the environment is set.
@@ -56,6 +59,45 @@ def build_serve_argv(user_args: Sequence[str], default_model: Path) -> tuple[lis
     return [str(default_model), *SERVE_DEFAULT_ARGS, *extra, *user_args], True
 
 
+POLICY_PREFIX = "--default-"
+
+
+def split_policy_args(user_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``--default-kv-<name> VALUE`` / ``--default-min-prompt-tokens N`` (also ``=VALUE``) taken
+    out of the server arguments, as the environment variables that set them
+    (``OBCACHE_KV_<NAME>``, ``OBCACHE_MIN_PROMPT_TOKENS``; see :mod:`obcache_vllm.config`).
+
+    Raises:
+        config.ConfigError: an unknown policy flag or one without a value.
+    """
+    rest, env = [], {}
+    args = list(user_args)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith(POLICY_PREFIX):
+            rest.append(arg)
+            i += 1
+            continue
+        name, eq, value = arg[len(POLICY_PREFIX):].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise config.ConfigError(f"{arg} needs a value")
+            value, i = args[i + 1], i + 1
+        field = name.replace("-", "_")
+        if field == config.MIN_PROMPT_KEY:
+            env[config.MIN_PROMPT_ENV] = value
+        elif field in config.BUILTIN_DEFAULTS:
+            env[config.env_name(field)] = value
+        else:
+            flags = (f"{POLICY_PREFIX}{f.replace('_', '-')}" for f in config.BUILTIN_DEFAULTS)
+            known = ", ".join(flags)
+            raise config.ConfigError(f"unknown policy flag {arg}; known: {known}, "
+                                     f"{POLICY_PREFIX}min-prompt-tokens")  # fmt: skip
+        i += 1
+    return rest, env
+
+
 def serve_env(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` plus SERVE_DEFAULT_ENV for the variables it does not set."""
     return {**SERVE_DEFAULT_ENV, **environ}
@@ -64,8 +106,10 @@ def serve_env(environ: Mapping[str, str]) -> dict[str, str]:
 def _serve(user_args: Sequence[str]) -> int:
     if any(a in ("-h", "--help") or a.startswith("--help=") for a in user_args):
         return _run_vllm_serve(list(user_args))
+    user_args, policy_env = split_policy_args(user_args)
+    os.environ.update(policy_env)
     # The kv_* defaults (configs/default.yaml, OBCACHE_VLLM_CONFIG, OBCACHE_KV_*): fail fast.
-    config.load_defaults()
+    config.load_policy()
     argv, uses_default = build_serve_argv(user_args, model.default_model_path())
     if uses_default:
         model.pull()

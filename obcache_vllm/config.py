@@ -8,15 +8,22 @@ Sources, later wins:
 3. one environment variable per option: ``OBCACHE_KV_BUDGET``, ``OBCACHE_KV_SCORER``, ...
    (values are parsed as YAML scalars: ``0.25`` is a float, ``true`` a boolean, ``null`` none).
 
-Validated once, at server start (:func:`load_defaults` raises :class:`ConfigError` naming the
+Validated once, at server start (:func:`load_policy` raises :class:`ConfigError` naming the
 source and the key). A request field always overrides its default (:func:`merge_request`).
-Plain Python: no vLLM import.
+
+The operator's policy: a default ``kv_budget`` (with ``kv_when: pressure``, compression only
+when the pool is short) applies to every request that sets no budget, or, with
+``min_prompt_tokens`` (YAML key, or ``OBCACHE_MIN_PROMPT_TOKENS``), only to prompts of at least
+that many tokens. A request opts out with ``"kv_budget": null``. Where a budget from the policy
+cannot be served (a refused configuration or request) the request is served as stock vLLM
+instead of refused: the client did not ask for it. Plain Python: no vLLM import.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,8 @@ from obcache_vllm import options
 
 CONFIG_ENV = "OBCACHE_VLLM_CONFIG"
 ENV_PREFIX = "OBCACHE_KV_"
+MIN_PROMPT_KEY = "min_prompt_tokens"  # policy: the default budget's smallest prompt
+MIN_PROMPT_ENV = "OBCACHE_MIN_PROMPT_TOKENS"
 SOURCE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -38,6 +47,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "kv_per_head": True,
     "kv_prefill_evict": False,
     "kv_session": None,  # a conversation's continuation: per request only
+    "kv_when": "always",
 }
 assert tuple(BUILTIN_DEFAULTS) == options.WIRE_FIELDS
 # Options that depend on the request's own prompt: no server-wide default.
@@ -84,7 +94,7 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
     default budget the other options are checked against a stand-in budget; a fractional budget
     is checked against a long prompt (its value for short prompts is checked per request).
     """
-    unknown = sorted(set(defaults) - set(options.WIRE_FIELDS))
+    unknown = sorted(set(defaults) - set(options.WIRE_FIELDS) - {MIN_PROMPT_KEY})
     if unknown:
         raise ConfigError(
             f"{source}: unknown key {unknown[0]!r}; known: {', '.join(options.WIRE_FIELDS)}"
@@ -94,7 +104,10 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
         raise ConfigError(
             f"{source}: {fixed[0]} is a per-request option (it depends on the request's prompt)"
         )
-    probe = {k: v for k, v in defaults.items() if v is not None}
+    threshold = defaults.get(MIN_PROMPT_KEY, 0)
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ConfigError(f"{source}: {MIN_PROMPT_KEY} must be an integer >= 0, got {threshold!r}")
+    probe = {k: v for k, v in defaults.items() if v is not None and k != MIN_PROMPT_KEY}
     probe.setdefault("kv_budget", 1 << 20)
     try:
         options.parse_kv_options(probe, num_prompt_tokens=1 << 20)
@@ -102,12 +115,31 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: {exc}") from exc
 
 
-def load_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Policy:
+    """The server's kv_* defaults and when they apply (see the module docstring)."""
+
+    defaults: dict[str, Any]
+    min_prompt_tokens: int = 0
+
+    def document(self) -> dict[str, Any]:
+        return {"defaults": dict(self.defaults), MIN_PROMPT_KEY: self.min_prompt_tokens}
+
+
+def load_policy(environ: Mapping[str, str] | None = None) -> Policy:
+    """The validated policy: defaults of every wire field (``None``: no default), threshold."""
+    environ = os.environ if environ is None else environ
+    defaults = load_defaults(environ, keep_policy=True)
+    threshold = defaults.pop(MIN_PROMPT_KEY, 0)
+    return Policy(defaults, threshold)
+
+
+def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = False) -> dict:
     """The validated server-wide defaults (every wire field; ``None`` = no default)."""
     import yaml
 
     environ = os.environ if environ is None else environ
-    defaults = dict(BUILTIN_DEFAULTS)
+    defaults: dict[str, Any] = {**BUILTIN_DEFAULTS, MIN_PROMPT_KEY: 0}
     path = config_path(environ)
     if path is not None:
         from_file = _read_yaml(path)
@@ -122,10 +154,19 @@ def load_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             from_env[field] = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{env_name(field)}: cannot parse {raw!r}: {exc}") from exc
+    raw = environ.get(MIN_PROMPT_ENV)
+    if raw is not None:
+        try:
+            from_env[MIN_PROMPT_KEY] = yaml.safe_load(raw) if raw.strip() else 0
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{MIN_PROMPT_ENV}: cannot parse {raw!r}: {exc}") from exc
     for field, value in from_env.items():
-        validate_defaults({field: value}, env_name(field))
+        source = MIN_PROMPT_ENV if field == MIN_PROMPT_KEY else env_name(field)
+        validate_defaults({field: value}, source)
     defaults.update(from_env)
     validate_defaults(defaults, "kv_* defaults (file + environment)")
+    if not keep_policy:
+        defaults.pop(MIN_PROMPT_KEY)
     return defaults
 
 

@@ -116,6 +116,25 @@ PRESERVED_BLOCKS = MetricSpec(
     "prefix cache (so later requests read the whole prompt).",
 )
 
+PRESSURE_COMPRESSIONS = MetricSpec(
+    "vllm:obcache_pressure_compressions",
+    "counter",
+    "Compressions of kv_when=pressure requests ordered because the KV pool was short (the next "
+    "step would have preempted a request or left a waiting one unadmitted).",
+)
+PREEMPTIONS_AVOIDED = MetricSpec(
+    "vllm:obcache_preemptions_avoided",
+    "counter",
+    "Steps whose predicted shortfall of blocks for the running requests was covered by "
+    "compression under pressure instead of preemption.",
+)
+PRESSURE_ADMISSIONS = MetricSpec(
+    "vllm:obcache_pressure_admissions",
+    "counter",
+    "kv_when=pressure requests admitted because their compressed footprint fit the KV pool "
+    "while their whole prompt did not (evicted while prefilled).",
+)
+
 METRICS: tuple[MetricSpec, ...] = (
     EVICTED_TOKENS,
     FREED_BLOCKS,
@@ -130,4 +149,7 @@ METRICS: tuple[MetricSpec, ...] = (
     COMPRESSED_ENTRIES,
     REUSED_TOKENS,
     PRESERVED_BLOCKS,
+    PRESSURE_COMPRESSIONS,
+    PREEMPTIONS_AVOIDED,
+    PRESSURE_ADMISSIONS,
 )

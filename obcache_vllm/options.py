@@ -42,6 +42,11 @@ kv_session      true: continue from the compressed cache an earlier ``kv_session
                 request's final cache for the next turn. Not with h2o (its running sums
                 would have to travel with the cache), ``kv_compress_at`` or
                 ``kv_prefill_evict``. Default false
+kv_when         "always": evict as the options say (the default); "pressure": run exactly as
+                stock vLLM while the KV pool has room, and compress to the budget only when
+                the scheduler would otherwise preempt a running request or leave a waiting one
+                unadmitted for lack of blocks (then as the options say). Not with h2o,
+                ``kv_compress_at``, ``kv_prefill_evict`` or ``kv_session``
 ==============  =========================================================================
 
 Budget rule (see :mod:`obcache_vllm.eviction.planning`): eviction frees whole KV blocks only,
@@ -71,6 +76,7 @@ WIRE_FIELDS = (
     "kv_per_head",
     "kv_prefill_evict",
     "kv_session",
+    "kv_when",
 )
 
 # kv_-prefixed extra_args keys that belong to vLLM, not to us (KV-connector transfer params).
@@ -87,6 +93,7 @@ DEFAULT_PIPELINE = "snapkv"
 DEFAULT_WINDOW = 64
 DEFAULT_RECENT = 16
 DEFAULT_SINKS = 4
+WHEN = ("always", "pressure")
 
 
 class KvOptionsError(ValueError):
@@ -143,6 +150,7 @@ class KvOptions:
     per_head: bool = True
     prefill_evict: bool = False
     session: bool = False
+    when: str = "always"
     requested_budget: int | float | None = field(default=None, compare=False)
 
     def compress_point(self, num_prompt_tokens: int) -> int:
@@ -206,6 +214,7 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "per_head": (bool,),
     "prefill_evict": (bool,),
     "session": (bool,),
+    "when": (str,),
     "requested_budget": (int, float, type(None)),
 }
 assert tuple(_WIRE_TYPES) == tuple(f.name for f in _OPTION_FIELDS)
@@ -230,6 +239,10 @@ class KvRequest:
     per_head: bool = True
     prefill_evict: bool = False
     session: bool = False
+    when: str = "always"
+    # Not None: the budget is the server policy's (the request set none), for prompts of at
+    # least this many tokens (see obcache_vllm.config); admission may then waive it.
+    policy_min_prompt_tokens: int | None = None
 
     def resolve(self, num_prompt_tokens: int, max_model_len: int | None = None) -> KvOptions:
         """The options of this request on a prompt of ``num_prompt_tokens`` tokens.
@@ -273,6 +286,7 @@ class KvRequest:
             per_head=self.per_head,
             prefill_evict=self.prefill_evict,
             session=self.session,
+            when=self.when,
             requested_budget=self.budget,
         )
 
@@ -302,6 +316,24 @@ def _check_session(request: KvRequest) -> None:
                 "kv_session", f"cannot be combined with {name} (a session compresses at the "
                 "end of each prompt)", True,
             )  # fmt: skip
+
+
+def _check_pressure(request: KvRequest) -> None:
+    """What compression under pressure cannot do (see ``kv_when`` above)."""
+    if request.pipeline == "h2o":
+        raise KvOptionsError(
+            "kv_when",
+            '"pressure" is not supported with kv_pipeline h2o: it would have to score every '
+            "query all along; use tova, snapkv or streaming",
+            "pressure",
+        )
+    for name, value in (("kv_compress_at", request.compress_at),
+                        ("kv_prefill_evict", request.prefill_evict or None),
+                        ("kv_session", request.session or None)):  # fmt: skip
+        if value is not None:
+            raise KvOptionsError(
+                "kv_when", f'"pressure" cannot be combined with {name}', "pressure"
+            )
 
 
 def _known_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -371,7 +403,9 @@ def _budget_field(value: Any) -> int | float:
     return value
 
 
-def parse_request(raw: Mapping[str, Any] | None) -> KvRequest | None:
+def parse_request(
+    raw: Mapping[str, Any] | None, policy_min_prompt_tokens: int | None = None
+) -> KvRequest | None:
     """Parse and check the kv_* fields of one request; ``None`` if it sets no budget.
 
     The one parser of request options: the front end calls it once per request (see
@@ -410,9 +444,13 @@ def parse_request(raw: Mapping[str, Any] | None) -> KvRequest | None:
         per_head=_bool_field(raw, "kv_per_head", True),
         prefill_evict=_bool_field(raw, "kv_prefill_evict", False),
         session=_bool_field(raw, "kv_session", False),
+        when=_name_field(raw, "kv_when", "always", WHEN),
+        policy_min_prompt_tokens=policy_min_prompt_tokens,
     )
     if request.session:
         _check_session(request)
+    if request.when == "pressure":
+        _check_pressure(request)
     if isinstance(request.budget, int):  # a fraction is checked when it is resolved
         _check_room(request.budget, request.sinks, request.recent)
     return request

@@ -110,7 +110,7 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
         state.remember_queries(layer, q_rows, pipeline.window)
     prompt_scoring = row.prefill and every_prompt_query and pipeline.scored
     if not (order is not None or prompt_scoring or row.score_decode
-            or (opts.decode and prefill_end)):  # fmt: skip
+            or (opts.decode and prefill_end and not state.pressure_pending)):  # fmt: skip
         return
 
     # Every row of the step reads the same block table: the one the attention just used.
@@ -233,6 +233,8 @@ def _scores(plan: StepPlan, row: RowPlan, layer, q_rows, keys, values, geom, pre
     if running is None and (opts.decode or every_prompt_query or not row.prefill):
         running = state.running[layer] = RunningScores(num_heads, mode=state.decode_mode)
 
+    if row.order is not None and row.order.pressure and pipeline.window:
+        return _pressure_scores(row, layer, q_rows, k_tok, v_tok, geom, k_pos, running)
     if row.prefill and not every_prompt_query:  # window pipelines: score once, at the end
         q = state.queries[layer]
         q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
@@ -255,3 +257,29 @@ def _scores(plan: StepPlan, row: RowPlan, layer, q_rows, keys, values, geom, pre
         step = state.scorer(q, k_tok, v_tok, geom, q_pos, k_pos)
     running.add(step)
     return running.scores
+
+
+def _pressure_scores(row: RowPlan, layer, q_rows, k_tok, v_tok, geom, k_pos, running):
+    """Scores of an order given because the pool is short (window pipelines): the last
+    ``window`` queries the request has, its remembered prompt window then this step's decode
+    queries; with ``kv_decode`` they seed the running scores, as at a prompt's end."""
+    state, pipeline = row.state, row.state.pipeline
+    device = k_tok.device
+    remembered = state.queries.get(layer)
+    if row.prefill:  # this chunk is in the remembered window already
+        q = remembered if remembered is not None else q_rows
+        q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
+    else:
+        q, q_pos = q_rows, torch.arange(row.logical_len - q_rows.shape[0], row.logical_len,
+                                         device=device)  # fmt: skip
+        if remembered is not None:  # the prompt's last queries, before this step's
+            end = min(row.prompt_len, row.logical_len - q_rows.shape[0])
+            past = torch.arange(end - remembered.shape[0], end, device=device)
+            q, q_pos = torch.cat([remembered, q]), torch.cat([past, q_pos])
+        q, q_pos = q[-pipeline.window :], q_pos[-pipeline.window :]
+    scores = pipeline.prefill_scores(state.scorer, q, k_tok, v_tok, geom, q_pos, k_pos)
+    if running is not None and state.options.decode:
+        running.reset()
+        running.add(scores)
+    return scores
+

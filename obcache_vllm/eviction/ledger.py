@@ -39,6 +39,7 @@ verb                what it decides
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -91,6 +92,21 @@ class RequestBlocks:
     disabled: str | None = None
     # False when vLLM itself skips the prefix cache for it (e.g. prompt logprobs requested).
     may_read: bool = True
+    # kv_when "pressure": why and where it was compressed ("running": the pool was short while
+    # it ran; "admission": its prompt fit only compressed, evicted while prefilled), or None.
+    pressure: str | None = None
+    pressure_at: int | None = None
+
+    @property
+    def on_pressure(self) -> bool:
+        """Compressed only under pressure (``kv_when: pressure``), and not yet."""
+        return self.options.when == "pressure" and self.pressure is None
+
+    @property
+    def prefill_evicts(self) -> bool:
+        """Evicts after every prefill chunk (``kv_prefill_evict``, or admitted under pressure
+        because only its bounded peak fits)."""
+        return self.options.prefill_evict or self.pressure == "admission"
 
     @property
     def point(self) -> int:
@@ -100,6 +116,8 @@ class RequestBlocks:
     @property
     def write_floor(self) -> int:
         """The lowest block index any compaction of this request may write."""
+        if self.prefill_evicts:
+            return 0
         return max(0, (self.point - self.options.budget) // self.block_size)
 
     @property
@@ -160,7 +178,7 @@ class RequestBlocks:
         """Whether its blocks hold stock KV until compacted (not after a compressed start, not
         with ``kv_prefill_evict``, whose later chunks attend to an evicted cache)."""
         compressed = self.start is not None and self.start.compressed
-        return not compressed and not self.options.prefill_evict
+        return not compressed and not self.prefill_evicts
 
     def registrable(self, num_tokens: int) -> int:
         """How many of its first ``num_tokens`` computed tokens may enter the prefix cache."""
@@ -179,7 +197,7 @@ class RequestBlocks:
 
     def cut_at(self) -> int | None:
         """The token this step's prefill chunk must not run past (the compress point)."""
-        return None if self.past_point else self.point
+        return None if self.past_point or self.on_pressure else self.point
 
     def can_compact(self, logical_len: int, is_prefill_chunk: bool) -> EvictionOrder | None:
         """The order of a step that leaves ``logical_len`` tokens in the cache, or None.
@@ -188,12 +206,12 @@ class RequestBlocks:
         also every chunk before it) and, with ``kv_decode``, at decode steps: when a whole
         block can go. Records that the compress point was reached.
         """
-        if self.disabled is not None:
+        if self.disabled is not None or self.on_pressure:
             return None
         final = True  # the eviction at the compress point, or a decode-time one
         if not self.past_point:
             if logical_len < self.point:
-                if not self.options.prefill_evict:
+                if not self.prefill_evicts:
                     return None
                 final = False  # kv_prefill_evict: after this chunk too
         elif not self.options.decode or is_prefill_chunk:
@@ -206,6 +224,31 @@ class RequestBlocks:
         )
         self.past_point = self.past_point or final
         return order
+
+    def pressure_gain(self, logical_len: int) -> int:
+        """Blocks a compression to its budget would free in a step ending at ``logical_len``
+        (0 before its prompt is complete: a compaction there would write below its write
+        floor, into blocks it registered in the prefix cache)."""
+        if self.options.when != "pressure" or self.disabled is not None:
+            return 0
+        if self.prefill_evicts or logical_len < self.point:
+            return 0
+        order = plan_eviction(logical_len=logical_len, budget=self.options.budget,
+                              dead_blocks=self.dead, block_size=self.block_size)  # fmt: skip
+        return 0 if order is None else order.blocks_freed
+
+    def compress_under_pressure(self, logical_len: int, reason: str) -> EvictionOrder | None:
+        """The pool is short: compress to the budget now (again, if it grew back), then behave
+        as ``kv_when: always`` would."""
+        order = plan_eviction(logical_len=logical_len, budget=self.options.budget,
+                              dead_blocks=self.dead, block_size=self.block_size)  # fmt: skip
+        self.pressure, self.pressure_at = reason, logical_len
+        self.past_point = self.past_point or logical_len >= self.point
+        return None if order is None else dataclasses.replace(order, pressure=True)
+
+    def admit_under_pressure(self) -> None:
+        """Its whole prompt does not fit but its bounded peak does: evict while prefilling."""
+        self.pressure, self.pressure_at = "admission", 0
 
     def compressed_at_point(self, order: EvictionOrder | None) -> bool:
         """Whether ``order`` is the request's eviction at its compress point (the one that
@@ -237,6 +280,8 @@ class RequestBlocks:
         self.past_point = False
         self.kept_prompt = None
         self.start = None
+        if self.pressure == "running":  # recomputed: as stock again until the pool is short
+            self.pressure = self.pressure_at = None
 
     def adopt(self, start: CacheStart) -> None:
         """The request's cache starts from ``start`` (set at admission)."""
@@ -256,7 +301,7 @@ class RequestBlocks:
             chunk=chunk,
             budget=self.options.budget,
             decode=self.options.decode,
-            prefill_evict=self.options.prefill_evict,
+            prefill_evict=self.prefill_evicts or self.options.when == "pressure",
         )
 
     def resident(self, num_computed_tokens: int) -> int:
@@ -283,6 +328,8 @@ class RequestBlocks:
             outcome["reused_from"] = start.kind
             if start.kind == "session":
                 outcome["session_turn"] = start.depth + 1
+        if self.pressure is not None:
+            outcome["pressure"] = {"reason": self.pressure, "at_tokens": self.pressure_at}
         if self.disabled is not None:
             outcome["fault"] = self.disabled
         return outcome

@@ -29,6 +29,9 @@ class EvictionOrder:
     dead_after: int
     block_size: int
     preserve: tuple[tuple[int, int], ...] = ()
+    # Ordered because the KV pool was short (kv_when "pressure"): scored with the queries the
+    # worker remembered (its last prompt window and this step's), whatever the step.
+    pressure: bool = False
 
     @property
     def resident_before(self) -> int:

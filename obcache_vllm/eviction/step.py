@@ -91,6 +91,8 @@ class RequestKvState:
     kept_prompt: int | None = None
     # Why eviction stopped for this request ("stage: reason"), after a contained fault.
     disabled: str | None = None
+    # kv_when "pressure" and not compressed yet: it runs as stock (no scoring, no buffers).
+    pressure_pending: bool = False
     # Debug/verification only (OBCACHE_VLLM_RECORD_KEEP=1): kept indices per layer [Hkv, K]
     # of the last eviction, relative to the resident tokens before it.
     record: dict[str, torch.Tensor] | None = None
@@ -98,7 +100,8 @@ class RequestKvState:
     @classmethod
     def create(cls, options: KvOptions) -> RequestKvState:
         scorer, pipeline = options.build_scoring()
-        return cls(options=options, scorer=scorer, pipeline=pipeline)
+        return cls(options=options, scorer=scorer, pipeline=pipeline,
+                   pressure_pending=options.when == "pressure")  # fmt: skip
 
     def reset(self) -> None:
         """Forget everything: the request's KV is being recomputed from position 0."""
@@ -130,6 +133,8 @@ class RequestKvState:
     @property
     def buffers_decode_queries(self) -> bool:
         """Whether every decode query must be kept until it is scored (summed scores)."""
+        if self.pressure_pending:
+            return False
         return self.options.decode and self.pipeline.scored and self.decode_mode == "sum"
 
     def remember_queries(self, layer: str, q: torch.Tensor, window: int) -> None:

@@ -123,3 +123,23 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture) -> None:
         cli.main(["model", "frobnicate"])
     assert info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_policy_flags_become_the_environment_the_server_reads():
+    from obcache_vllm import config
+
+    rest, env = cli.split_policy_args(
+        ["--port", "8001", "--default-kv-budget", "0.25", "--default-kv-when=pressure",
+         "--default-min-prompt-tokens", "2048"]
+    )  # fmt: skip
+    assert rest == ["--port", "8001"]
+    assert env == {"OBCACHE_KV_BUDGET": "0.25", "OBCACHE_KV_WHEN": "pressure",
+                   "OBCACHE_MIN_PROMPT_TOKENS": "2048"}  # fmt: skip
+    policy = config.load_policy({**env, "OBCACHE_VLLM_CONFIG": ""})
+    assert policy.defaults["kv_budget"] == 0.25 and policy.defaults["kv_when"] == "pressure"
+    assert policy.min_prompt_tokens == 2048
+    for bad in (["--default-kv-magic", "1"], ["--default-kv-budget"]):
+        with pytest.raises(config.ConfigError):
+            cli.split_policy_args(bad)
+    with pytest.raises(config.ConfigError, match="kv_when"):
+        config.load_policy({"OBCACHE_KV_WHEN": "sometimes", "OBCACHE_VLLM_CONFIG": ""})

@@ -217,3 +217,19 @@ def test_usage_chunk_injection_touches_only_the_final_usage_chunk() -> None:
     content = 'data: {"id":"x","choices":[{"delta":{}}],"usage":{"prompt_tokens":3}}\n\n'
     assert server._inject_into_usage_chunk(content, outcome) == content
     assert server._inject_into_usage_chunk("data: [DONE]\n\n", outcome) == "data: [DONE]\n\n"
+
+
+def test_a_policy_budget_below_its_threshold_leaves_the_request_stock() -> None:
+    from obcache_vllm.vllm_ext.frontend import admission
+
+    server.reset_defaults({**config.BUILTIN_DEFAULTS, "kv_budget": 0.25, "kv_when": "pressure"},
+                          min_prompt_tokens=1000)  # fmt: skip
+    try:
+        policy_request = server.parse_fields(None, {})
+        assert policy_request.policy_min_prompt_tokens == 1000
+        assert admission.admit(None, policy_request, 999) is None  # stock: below the threshold
+        own = server.parse_fields(None, {"kv_budget": 64})
+        assert own.policy_min_prompt_tokens is None  # the request's own budget is never waived
+        assert server.parse_fields(None, {"kv_budget": None}) is None  # the opt-out
+    finally:
+        server.reset_defaults()

@@ -9,7 +9,9 @@ each decided by the request's :class:`~obcache_vllm.eviction.ledger.RequestBlock
   are swapped for private copies before the worker ever sees them (vLLM's own
   ``SingleTypeKVCacheManager._apply_cow``: the copy runs before the step's forward pass);
 * admission: a ``kv_prefill_evict`` request is admitted by its bounded peak, not its whole
-  prompt (vLLM's ``full_sequence_must_fit`` gate of ``KVCacheManager.allocate_slots``);
+  prompt (vLLM's ``full_sequence_must_fit`` gate of ``KVCacheManager.allocate_slots``); a
+  ``kv_when: pressure`` request as stock vLLM would admit it, else by its bounded peak, and
+  then compressed while prefilled;
 * freeing: dead head blocks go back to the pool as vLLM's sliding window frees them
   (``SingleTypeKVCacheManager._remove_blocks_in_range``: null blocks in place, ref counts
   decremented, so a block another request shares stays with it);
@@ -43,6 +45,7 @@ class PoolAdapter:
             raise RuntimeError("obcache-vllm supports single-group (non-hybrid) KV caches only")
         self.group = managers[0]
         self.pool = kv_cache_manager.block_pool
+        self.pressure_admissions = 0  # kv_when "pressure" requests admitted compressed
         self._cache_blocks = coordinator.cache_blocks
         self._allocate_slots = kv_cache_manager.allocate_slots
         coordinator.cache_blocks = self.cache_blocks
@@ -65,17 +68,28 @@ class PoolAdapter:
         blocks = self.ledger.get(request.request_id)
         if (
             blocks is not None
-            and blocks.options.prefill_evict
             and blocks.disabled is None
             and kwargs.get("full_sequence_must_fit")
+            and (blocks.prefill_evicts or blocks.on_pressure)
         ):
             peak = blocks.peak_blocks(request.sampling_params.max_tokens or 1, self.chunk)
-            if peak - self.live_blocks(request.request_id) > self.pool.get_num_free_blocks():
+            fits = peak - self.live_blocks(request.request_id) <= self.pool.get_num_free_blocks()
+            if blocks.on_pressure:  # as stock first; compressed while prefilled if only that fits
+                allocated = self._allocate(request, num_new_tokens, blocks, args, kwargs)
+                if allocated is not None or not fits:
+                    return allocated
+                blocks.admit_under_pressure()
+                self.pressure_admissions += 1
+            elif not fits:
                 return None
             kwargs["full_sequence_must_fit"] = False
+        return self._allocate(request, num_new_tokens, blocks, args, kwargs)
+
+    def _allocate(self, request, num_new_tokens, blocks, args, kwargs):
+        """vLLM's allocation, with the copy-on-write the ledger asks for at admission."""
         copies = self._copies_needed(request, blocks, kwargs)
         if copies:  # the copies' blocks must be left free after the allocation
-            kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + len(copies)
+            kwargs = {**kwargs, "reserved_blocks": kwargs.get("reserved_blocks", 0) + len(copies)}
         allocated = self._allocate_slots(request, num_new_tokens, *args, **kwargs)
         if allocated is not None and copies:
             req_blocks = self.group.req_to_blocks[request.request_id]

@@ -38,9 +38,11 @@ def log_fault(req_id: str, stage: str, reason: str, detail: str, fate: str) -> N
 class EngineReporter:
     """Outcomes and stats of one scheduler's budgeted requests."""
 
-    def __init__(self, ledger: BlockLedger, prefix_counts: dict | None = None) -> None:
+    def __init__(self, ledger: BlockLedger, prefix_counts: dict, pressure, pool) -> None:
         self.ledger = ledger
-        self.prefix_counts = prefix_counts if prefix_counts is not None else {}
+        self.prefix_counts = prefix_counts
+        self.pressure = pressure  # PressureCounts
+        self.pool = pool  # PoolAdapter (admissions under pressure)
         # Drained by make_stats: eviction seconds per step, finished requests.
         self._seconds: deque[float] = deque(maxlen=_PENDING_MAX)
         self._finished: deque[FinishedKvRecord] = deque(maxlen=_PENDING_MAX)
@@ -96,5 +98,10 @@ class EngineReporter:
                 "seconds": seconds,
                 "finished": finished,
                 "prefix": [[k, w, n] for (k, w), n in self.prefix_counts.items()],
+                "pressure": [
+                    self.pressure.compressions,
+                    self.pressure.preemptions_avoided,
+                    self.pool.pressure_admissions,
+                ],
             },
         )

@@ -39,6 +39,7 @@ from obcache_vllm.eviction.messages import EvictionOrder
 from obcache_vllm.options import WireError, admitted_options
 from obcache_vllm.vllm_ext.engine.blocks import PoolAdapter
 from obcache_vllm.vllm_ext.engine.prefix import PrefixAdapter
+from obcache_vllm.vllm_ext.engine.pressure import PressurePlanner
 from obcache_vllm.vllm_ext.engine.reporting import EngineReporter, log_fault
 from obcache_vllm.vllm_ext.wire import DISABLED_ATTR, ORDERS_ATTR, REPORT_ATTR, STARTS_ATTR
 
@@ -57,7 +58,13 @@ class OBCacheScheduler(Scheduler):
             self.scheduler_config.max_num_batched_tokens,
         )
         self.obcache_prefix = PrefixAdapter(self, self.obcache_pool)
-        self.obcache_reporter = EngineReporter(self.obcache_ledger, self.obcache_prefix.counts)
+        self.obcache_pressure = PressurePlanner(self, self.obcache_ledger, self.obcache_pool)
+        self.obcache_reporter = EngineReporter(
+            self.obcache_ledger,
+            self.obcache_prefix.counts,
+            self.obcache_pressure.counts,
+            self.obcache_pool,
+        )
         # Requests refused at add_request (no usable admitted options), and requests finished
         # with an error whose outputs the next update_from_output reports.
         self._obcache_refused: list[str] = []
@@ -166,6 +173,16 @@ class OBCacheScheduler(Scheduler):
                 orders[req_id] = self.obcache_prefix.with_preserved(
                     self.requests[req_id], blocks, order
                 )
+        for req_id, order in self.obcache_pressure.plan(output, orders).items():
+            try:  # the pool is short: compress instead of letting vLLM preempt next step
+                self.obcache_pool.check_writable(req_id, order)
+            except Exception as exc:  # contained: vLLM preempts as it would have
+                blocks = self.obcache_ledger.get(req_id)
+                self._contain(req_id, blocks, "schedule", type(exc).__name__, str(exc),
+                              torn=False)  # fmt: skip
+                disabled.append(req_id)
+                continue
+            orders[req_id] = order
         setattr(output, ORDERS_ATTR, orders)
         if disabled:
             setattr(output, DISABLED_ATTR, tuple(disabled))

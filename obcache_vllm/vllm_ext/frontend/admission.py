@@ -154,15 +154,29 @@ def admit(
     *,
     prompt_embeds: bool = False,
     max_tokens: int | None = None,
-) -> Admitted:
+) -> Admitted | None:
     """Resolve ``request`` on its prompt, refuse what this engine cannot serve, check it fits.
 
-    ``prompt_embeds``: the prompt carries embeddings (all or some of its positions).
+    ``prompt_embeds``: the prompt carries embeddings (all or some of its positions). ``None``:
+    the budget was the server policy's and does not apply (a prompt below its threshold, or a
+    request it cannot serve): a stock request, since the client asked for no budget.
 
     Raises:
         KvOptionsError: a bad option for this prompt, a refusal, or a request that can never
             fit the KV pool (see :mod:`.capacity`).
     """
+    threshold = request.policy_min_prompt_tokens
+    if threshold is not None and num_prompt_tokens < threshold:
+        return None
+    try:
+        return _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens)
+    except KvOptionsError:
+        if threshold is not None:
+            return None
+        raise
+
+
+def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens) -> Admitted:
     options = request.resolve(num_prompt_tokens, vllm_config.model_config.max_model_len)
     reason = unsupported_reason(vllm_config)
     if reason is not None:
@@ -205,7 +219,8 @@ def admit_fields(vllm_config, fields: Mapping[str, Any] | None, num_prompt_token
     request = parse_request(fields)
     if request is None:
         return None
-    return admit(vllm_config, request, num_prompt_tokens, **kw).options
+    admitted = admit(vllm_config, request, num_prompt_tokens, **kw)
+    return None if admitted is None else admitted.options
 
 
 def admit_engine_request(vllm_config, engine_request) -> None:
@@ -256,6 +271,9 @@ def admit_engine_request(vllm_config, engine_request) -> None:
     except KvOptionsError as exc:
         raise rejected(exc) from exc
     rest = {k: v for k, v in extra.items() if not is_kv_option(k) and k != ADMITTED_KEY}
+    if admitted is None:  # the policy's budget does not apply: a stock request
+        params.extra_args = rest or None
+        return
     params.extra_args = {**rest, ADMITTED_KEY: admitted.options.to_wire()}
 
 

@@ -30,6 +30,8 @@ def capacity_error(
     if usable is None:
         return None
     block_size = vllm_config.cache_config.block_size
+    # kv_when "pressure": a prompt that does not fit is admitted compressed while prefilled.
+    bounded = options is not None and (options.prefill_evict or options.when == "pressure")
     if max_tokens is None:
         max_tokens = vllm_config.model_config.max_model_len - prompt_len
     peak = peak_blocks(
@@ -39,7 +41,7 @@ def capacity_error(
         chunk=vllm_config.scheduler_config.max_num_batched_tokens,
         budget=None if options is None else options.budget,
         decode=options is not None and options.decode,
-        prefill_evict=options is not None and options.prefill_evict,
+        prefill_evict=bounded,
     )
     if peak <= usable:
         return None
@@ -50,7 +52,7 @@ def capacity_error(
             f"the request {need}: lower max_tokens, or send kv_budget with kv_prefill_evict",
             max_tokens,
         )
-    if not options.prefill_evict and -(-prompt_len // block_size) > usable:
+    if not bounded and -(-prompt_len // block_size) > usable:
         return KvOptionsError(
             "kv_prefill_evict",
             f"the prompt alone {need}: set kv_prefill_evict to evict while it is prefilled",

@@ -57,21 +57,26 @@ SUMMED_FIELDS = (
     "reused_tokens",
 )
 
-_defaults: dict[str, Any] | None = None
+_policy: config.Policy | None = None
+
+
+def server_policy() -> config.Policy:
+    """The validated server policy: kv_* defaults and their threshold (loaded once)."""
+    global _policy
+    if _policy is None:
+        _policy = config.load_policy()
+    return _policy
 
 
 def server_defaults() -> dict[str, Any]:
-    """The validated server-wide kv_* defaults (loaded once per process)."""
-    global _defaults
-    if _defaults is None:
-        _defaults = config.load_defaults()
-    return _defaults
+    """The validated server-wide kv_* defaults."""
+    return server_policy().defaults
 
 
-def reset_defaults(defaults: dict[str, Any] | None = None) -> None:
-    """Replace the cached defaults (tests); ``None`` reloads them on next use."""
-    global _defaults
-    _defaults = defaults
+def reset_defaults(defaults: dict[str, Any] | None = None, min_prompt_tokens: int = 0) -> None:
+    """Replace the cached policy (tests); ``None`` reloads it on next use."""
+    global _policy
+    _policy = None if defaults is None else config.Policy(defaults, min_prompt_tokens)
 
 
 # --- request fields -> SamplingParams.extra_args --------------------------------------------
@@ -95,7 +100,10 @@ def parse_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping[str, A
             "vllm_xargs", f"the key {ADMITTED_KEY!r} is reserved for obcache-vllm", ADMITTED_KEY
         )
     requested = requested_kv_fields(vllm_xargs, top_level)
-    return options.parse_request(config.merge_request(server_defaults(), requested))
+    policy = server_policy()
+    merged = config.merge_request(policy.defaults, requested)
+    from_policy = "kv_budget" not in requested and merged.get("kv_budget") is not None
+    return options.parse_request(merged, policy.min_prompt_tokens if from_policy else None)
 
 
 def _wrap_to_sampling_params(original):
@@ -155,13 +163,18 @@ def admit_rendered_prompt(serving, inputs, params) -> None:
             num_prompt = len(token_ids)
         else:
             num_prompt = len(embeds) if embeds is not None else 0
-        extra[ADMITTED_KEY] = admission.admit(
+        admitted = admission.admit(
             vllm_config,
             request,
             num_prompt,
             prompt_embeds=embeds is not None,
             max_tokens=params.max_tokens,
         )
+        if admitted is None:  # the policy's budget does not apply here: a stock request
+            del extra[ADMITTED_KEY]
+            params.extra_args = extra or None
+        else:
+            extra[ADMITTED_KEY] = admitted
     elif hasattr(params, "extra_args") and admission.pool_is_short(vllm_config):
         token_ids = serving._extract_prompt_components(inputs).token_ids
         if token_ids is not None:
@@ -317,6 +330,12 @@ def config_document() -> dict[str, Any]:
         "pipelines": list(PIPELINE_NAMES),
         "request_fields": list(options.WIRE_FIELDS),
         "defaults": dict(server_defaults()),
+        "policy": {
+            "default_budget": server_defaults().get("kv_budget"),
+            "when": server_defaults().get("kv_when"),
+            config.MIN_PROMPT_KEY: server_policy().min_prompt_tokens,
+            "opt_out": 'a request with "kv_budget": null is served as stock vLLM',
+        },
         "usage_field": f"usage.{USAGE_KEY}",
     }
 
@@ -345,7 +364,7 @@ def install_server() -> None:
     Raises:
         obcache_vllm.config.ConfigError: invalid kv_* defaults (the server does not start).
     """
-    server_defaults()
+    server_policy()
     from vllm.entrypoints.launchers import app as app_module
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat

@@ -63,6 +63,11 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         self.obcache_entries = made[metrics.COMPRESSED_ENTRIES.name]
         self.obcache_reused = made[metrics.REUSED_TOKENS.name]
         self.obcache_preserved = made[metrics.PRESERVED_BLOCKS.name]
+        self.obcache_pressure = [
+            made[spec.name]
+            for spec in (metrics.PRESSURE_COMPRESSIONS, metrics.PREEMPTIONS_AVOIDED,
+                         metrics.PRESSURE_ADMISSIONS)
+        ]  # fmt: skip
         # The scheduler reports cumulative totals; the last one seen per (engine, metric, labels).
         self._obcache_seen: dict[tuple, int] = {}
         _live_rejections = self.obcache_rejected
@@ -100,6 +105,8 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
                 self._advance(engine_idx, self.obcache_reused, count, kind=kind)
             elif what == "preserved":
                 self._advance(engine_idx, self.obcache_preserved, count)
+        for counter, total in zip(self.obcache_pressure, payload.get("pressure", ()), strict=False):
+            self._advance(engine_idx, counter, total)
         for seconds in payload.get("seconds", ()):
             self.obcache_seconds.observe(seconds)
         for resident, kept_prompt, prompt_len in payload.get("finished", ()):

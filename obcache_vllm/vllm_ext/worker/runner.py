@@ -82,6 +82,11 @@ class EvictingRunnerMixin:
             state = self.obcache_states.get(req_id)
             if state is not None:
                 state.reset()
+                if state.options.when == "pressure":  # recomputed: stock again until short
+                    state.pressure_pending = True
+                    if state.decode_slot is not None:
+                        self.obcache_queries.release(state.decode_slot)
+                        state.decode_slot = None
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             options = None
@@ -278,6 +283,10 @@ class EvictingRunnerMixin:
             if order is not None and failure is None and compacted != num_layers:
                 failure = ("compact", "not_applied", f"{compacted} of {num_layers} layers")
             if order is not None and compacted == num_layers:
+                if state.pressure_pending:  # compressed at last: from now on as kv_when always
+                    state.pressure_pending = False
+                    if state.buffers_decode_queries and state.decode_slot is None:
+                        state.decode_slot = self.obcache_queries.acquire()
                 state.dead = order.dead_after
                 state.evictions += 1
                 state.tokens_evicted += order.tokens_evicted
@@ -324,7 +333,7 @@ def _group_decode_orders(
     ranking is all-reduced on its own). Rows of a group of two or more are marked ``grouped``."""
     buckets: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
-        if r.prefill or r.outcome.failure:
+        if r.prefill or r.outcome.failure or (r.order is not None and r.order.pressure):
             continue
         if r.order is None and not r.score_decode:
             continue
