@@ -7,7 +7,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit test-engine test-server fuzz lint clean-model bench bench-full \
-	deploy-render deploy-check loadtest loadtest-compare soak
+	deploy-render deploy-check loadtest loadtest-compare soak compat
 
 setup:
 	@bash scripts/setup.sh
@@ -70,6 +70,12 @@ deploy-render: setup
 deploy-check: setup
 	$(PY) -m pytest tests/unit/test_deploy.py $(PYTEST_ARGS)
 
+## Static check of the seam tables (seams.py, CUDA_SEAMS) against another vLLM release, without
+## installing it: make compat VLLM=0.33.0 (its wheel is downloaded once; report: results/compat)
+VLLM ?= 0.33.0
+compat: setup
+	$(PY) -m obcache_vllm.vllm_ext.compat --vllm $(VLLM) --out results/compat
+
 ## Load test against a running server (make serve): SCENARIO=... URL=... (see README "Load test")
 SCENARIO ?= loadtest/scenarios/mix.yaml
 URL ?= http://127.0.0.1:8000
@@ -83,3 +89,11 @@ loadtest-compare: setup
 ## The long soak of issue #12 (its own server; exit status 1 when an end-of-run check fails)
 soak: setup
 	$(PY) -m loadtest run loadtest/scenarios/soak.yaml --launch --out results/loadtest/soak $(ARGS)
+
+## The documentation site (docs/, mkdocs.yml) into site/, warnings are errors; docs-serve: live preview
+.PHONY: docs docs-serve
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8008

@@ -1,4 +1,4 @@
-"""The README's metrics table is exactly obcache_vllm.metrics (names, types, labels, help)."""
+"""The docs' metrics table (docs/deploying/monitoring.md) is exactly obcache_vllm.metrics."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 
 from obcache_vllm import metrics
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE = Path(__file__).resolve().parents[2] / "docs" / "deploying" / "monitoring.md"
 ROW = re.compile(r"^\| `(vllm:obcache_[a-z_]+)` \| (\w+) \| ([^|]*) \| ([^|]+) \|$")
 
 
-def _readme_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
+def _table_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
     rows = []
-    for line in README.read_text(encoding="utf-8").splitlines():
+    for line in TABLE.read_text(encoding="utf-8").splitlines():
         match = ROW.match(line.strip())
         if match:
             name, kind, labels, help_text = match.groups()
@@ -22,9 +22,9 @@ def _readme_rows() -> list[tuple[str, str, tuple[str, ...], str]]:
     return rows
 
 
-def test_readme_metrics_table_matches_the_metric_definitions() -> None:
+def test_docs_metrics_table_matches_the_metric_definitions() -> None:
     expected = [(m.exposed, m.kind, m.labels, m.help) for m in metrics.METRICS]
-    assert _readme_rows() == expected
+    assert _table_rows() == expected
 
 
 def test_metric_names_are_unique_and_prefixed() -> None:

@@ -1,0 +1,190 @@
+"""The documentation site (docs/, mkdocs.yml) and README.md: a strict build and sound references.
+
+* the site builds with ``mkdocs build --strict`` (broken links, anchors, snippets and API
+  references are errors), and serves every ``results/`` file the pages link to;
+* every ``results/...`` file the pages include (``--8<--``), link or name in inline code exists;
+* every ``vllm:obcache_*`` metric named in the docs or the README is one obcache_vllm.metrics
+  defines;
+* the README stays short; no link leaves the repository or names a file it does not have.
+
+No network, no vLLM import.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from obcache_vllm import metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+README_MAX_LINES = 200
+# Files other documents of the project's history refer to; this repository has none of them.
+ABSENT = ("DESIGN.md", "PAPER.md", "VLLM_MAP.md")
+
+FENCE = re.compile(r"^([ \t]*)(```|~~~).*?^\1\2[ \t]*$", re.M | re.S)
+INLINE_CODE = re.compile(r"(`+)(.+?)\1", re.S)
+INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REF_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
+HTML_LINK = re.compile(r"""(?:href|src)\s*=\s*["']([^"']+)["']""")
+SNIPPET = re.compile(r"""^\s*-{1,}8<-{1,}\s+["']([^"']+)["']""", re.M)
+RESULTS_FILE = re.compile(r"^results/[\w./-]+\.\w+$")
+METRIC = re.compile(r"vllm:obcache_[a-z_]+")
+
+
+def _markdown_files() -> list[Path]:
+    return sorted(DOCS.rglob("*.md")) + [README]
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _without_code(text: str) -> str:
+    """The text with fenced blocks and inline code removed (their content is not a link)."""
+    return INLINE_CODE.sub("code", FENCE.sub("", text))
+
+
+def _links(path: Path) -> list[str]:
+    """Every link target of a Markdown file (inline, reference-style, HTML), outside code."""
+    text = _without_code(path.read_text(encoding="utf-8"))
+    return [
+        m.group(1)
+        for pattern in (INLINE_LINK, REF_LINK, HTML_LINK)
+        for m in pattern.finditer(text)
+    ]
+
+
+def _is_external(target: str) -> bool:
+    return bool(re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I)) and not target.startswith("file:")
+
+
+def _resolve(path: Path, target: str) -> str | None:
+    """The repository path (posix, normalized) a relative link target names, or None."""
+    target = target.split("#", 1)[0].split("?", 1)[0]
+    if not target or _is_external(target):
+        return None
+    return posixpath.normpath(posixpath.join(posixpath.dirname(_rel(path)), target))
+
+
+def _snippets(path: Path) -> list[str]:
+    """Files included with pymdownx.snippets (base path: the repository root), ranges cut."""
+    text = path.read_text(encoding="utf-8")
+    return [m.group(1).split(":", 1)[0] for m in SNIPPET.finditer(text)]
+
+
+def _results_links() -> dict[str, list[str]]:
+    """results/ file -> the Markdown files that link to it."""
+    found: dict[str, list[str]] = {}
+    for path in _markdown_files():
+        for target in _links(path):
+            resolved = _resolve(path, target)
+            if resolved and resolved.startswith("results/"):
+                found.setdefault(resolved, []).append(_rel(path))
+    return found
+
+
+def _mkdocs() -> str | None:
+    candidate = Path(sys.executable).with_name("mkdocs")
+    if candidate.is_file():
+        return str(candidate)
+    return shutil.which("mkdocs")
+
+
+def test_the_site_builds_strictly_and_serves_the_linked_results(tmp_path: Path) -> None:
+    mkdocs = _mkdocs()
+    if mkdocs is None:
+        pytest.skip("mkdocs is not installed (the dev extra: mkdocs-material, mkdocstrings)")
+    site = tmp_path / "site"
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run(
+        [mkdocs, "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        cwd=ROOT,  # pymdownx.snippets resolves --8<-- paths from the working directory
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    assert (site / "index.html").is_file()
+    missing = [target for target in _results_links() if not (site / target).is_file()]
+    assert not missing, f"linked results/ files not in the built site: {missing}"
+
+
+def test_every_included_or_linked_results_file_exists() -> None:
+    missing = []
+    for path in _markdown_files():
+        for target in _snippets(path):
+            if target.startswith("results/") and not (ROOT / target).is_file():
+                missing.append(f"{_rel(path)}: --8<-- {target}")
+    for target, pages in _results_links().items():
+        if not (ROOT / target).is_file():
+            missing.append(f"{', '.join(pages)}: link to {target}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_results_file_named_in_inline_code_exists() -> None:
+    missing = []
+    for path in _markdown_files():
+        text = FENCE.sub("", path.read_text(encoding="utf-8"))
+        for m in INLINE_CODE.finditer(text):
+            name = m.group(2).strip()
+            if RESULTS_FILE.match(name) and not (ROOT / name).is_file():
+                missing.append(f"{_rel(path)}: `{name}`")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_metric_named_is_one_obcache_vllm_defines() -> None:
+    known: set[str] = set()
+    for m in metrics.METRICS:
+        known |= {m.name, m.exposed}
+        if m.kind == "histogram":
+            known |= {f"{m.name}{suffix}" for suffix in ("_bucket", "_sum", "_count")}
+    unknown = sorted(
+        f"{_rel(path)}: {name}"
+        for path in _markdown_files()
+        for name in set(METRIC.findall(path.read_text(encoding="utf-8")))
+        if name not in known
+    )
+    assert not unknown, "metrics not in obcache_vllm.metrics:\n" + "\n".join(unknown)
+
+
+def test_the_readme_is_short() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most 200)"
+
+
+def test_no_link_leaves_the_repository_or_names_an_absent_file() -> None:
+    bad = []
+    for path in _markdown_files():
+        links = [(t, _resolve(path, t)) for t in _links(path)]
+        snippets = [(t, posixpath.normpath(t)) for t in _snippets(path)]  # from the root
+        for target, resolved in links + snippets:
+            if Path(target.split("#", 1)[0]).name in ABSENT:
+                bad.append(f"{_rel(path)}: {target} (not in this repository)")
+            elif target.startswith(("file:", "/", "~")):
+                bad.append(f"{_rel(path)}: {target} (absolute path)")
+            elif resolved is not None and (resolved == ".." or resolved.startswith("../")):
+                bad.append(f"{_rel(path)}: {target} (outside the repository)")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_relative_markdown_link_resolves() -> None:
+    broken = []
+    for path in _markdown_files():
+        for target in _links(path):
+            resolved = _resolve(path, target)
+            if resolved is None or not resolved.endswith(".md"):
+                continue
+            if not (ROOT / resolved).is_file():
+                broken.append(f"{_rel(path)}: {target}")
+    assert not broken, "\n".join(broken)
