@@ -61,8 +61,9 @@ class Hit:
     node: ast.AST  # the binding statement, or an ast.Module when the name is a module
 
 
-def tables() -> dict[str, tuple]:
-    """SEAMS, CUDA_SEAMS, ATTRIBUTES, STATE (seams.py imports no vLLM; flash_attn.py does)."""
+def tables(version: str | None = None) -> dict[str, tuple]:
+    """SEAMS (as they stand in vLLM ``version``), CUDA_SEAMS, ATTRIBUTES, STATE (seams.py
+    imports no vLLM; flash_attn.py does)."""
     from obcache_vllm.vllm_ext import seams
 
     src = Path(__file__).with_name("worker") / "backends" / "flash_attn.py"
@@ -71,7 +72,8 @@ def tables() -> dict[str, tuple]:
             and "CUDA_SEAMS" in {getattr(t, "id", None) for t in _targets(n)}]
     if not cuda:
         raise ValueError(f"no CUDA_SEAMS assignment in {src}")
-    return {"SEAMS": seams.SEAMS, "CUDA_SEAMS": ast.literal_eval(cuda[0]),
+    rows = seams.SEAMS if version is None else seams.seams_for(version)
+    return {"SEAMS": rows, "CUDA_SEAMS": ast.literal_eval(cuda[0]),
             "ATTRIBUTES": seams.ATTRIBUTES, "STATE": seams.STATE}
 
 
@@ -397,11 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/compat"))
     args = parser.parse_args(argv)
     try:
-        tbl = tables()
         tree = Tree(args.wheel or fetch_wheel(args.vllm))
-        other = check_tree(tree, tbl)
+        # The other release against its own rows (VERSIONED_SEAMS), and against 0.32's.
+        other = check_tree(tree, tables(args.vllm))
+        unversioned = check_tree(tree, tables())
         mine = Tree(installed_tree()) if installed_tree() else None
-        installed = check_tree(mine, tbl) if mine else []
+        installed = check_tree(mine, tables(mine.version())) if mine else []
         base = mine.version() if mine else "not installed"
         args.out.mkdir(parents=True, exist_ok=True)
         md = args.out / f"compat-{args.vllm}.md"
@@ -411,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"compat-{args.vllm}.json").write_text(json.dumps({
             "vllm": args.vllm, "wheel_version": tree.version(), "installed_vllm": base,
             "rows": [asdict(r) for r in other], "installed_rows": [asdict(r) for r in installed],
+            "rows_without_versioned_seams": [asdict(r) for r in unversioned],
         }, indent=1) + "\n")
     except (OSError, ValueError, zipfile.BadZipFile, subprocess.CalledProcessError) as exc:
         print(f"compat: {exc!r}", file=sys.stderr)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-SUPPORTED_VLLM = ("0.32.0",)
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 
 # (module, qualname, parameter names that our code passes or overrides)
 SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -289,6 +289,41 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
 )
 
+# Where a later vLLM moved or extended a seam: version -> {(module, qualname): new row}.
+# Read statically from the 0.33.0 wheel (make compat VLLM=0.33.0, results/compat/); the
+# plugin's patches use :func:`module_of` so they install on either version. 0.33.0 has not
+# run here (the CPU build on PyPI is 0.32.0): it passes the static check only.
+VERSIONED_SEAMS: dict[str, dict[tuple[str, str], tuple[str, str, tuple[str, ...]]]] = {
+    "0.33.0": {
+        ("vllm.v1.core.kv_cache_utils", "_check_enough_kv_cache_memory"): (
+            "vllm.v1.core.kv_cache_planning",
+            "_check_enough_kv_cache_memory",
+            ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+        ),
+        ("vllm.v1.core.sched.scheduler", "Scheduler._get_local_prefix_cache_hit"): (
+            "vllm.v1.core.sched.scheduler",
+            "Scheduler._get_local_prefix_cache_hit",
+            ("self", "request", "max_cache_hit_length"),
+        ),
+    },
+}
+
+
+def seams_for(version: str) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """:data:`SEAMS` as they stand in vLLM ``version`` (moved rows replaced)."""
+    moved = VERSIONED_SEAMS.get(version, {})
+    return tuple(moved.get((mod, name), (mod, name, params)) for mod, name, params in SEAMS)
+
+
+def module_of(module: str, qualname: str, version: str | None = None) -> str:
+    """The module that holds ``module.qualname`` in the installed (or the given) vLLM."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    return VERSIONED_SEAMS.get(version, {}).get((module, qualname), (module,))[0]
+
+
 # Attributes (not callables) we read or write.
 ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("vllm.v1.worker.cpu_worker", "CPUModelRunner"),
@@ -417,7 +452,8 @@ def check_compatibility(include_server: bool = True) -> None:
         raise IncompatibleVllmError(
             f"obcache-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}; found {vllm.__version__}"
         )
-    seams = [s for s in SEAMS if include_server or not is_server_module(s[0])]
+    seams = [s for s in seams_for(vllm.__version__)
+             if include_server or not is_server_module(s[0])]  # fmt: skip
     problems = signature_problems(seams)
     for module, name in ATTRIBUTES:
         if not include_server and is_server_module(module):

@@ -47,9 +47,19 @@ def test_changed_request_state_refuses_to_start(monkeypatch):
 def test_another_vllm_version_refuses_to_start(monkeypatch):
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(inst.IncompatibleVllmError, match="0.33.0"):
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(inst.IncompatibleVllmError, match="0.34.0"):
         inst.check_compatibility()
+
+
+def test_a_supported_version_is_checked_against_its_own_seams(monkeypatch):
+    """0.33.0's rows (its moved and extended seams) do not hold on 0.32.0's source."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(inst.IncompatibleVllmError, match="kv_cache_planning") as info:
+        inst.check_compatibility()
+    assert "max_cache_hit_length" in str(info.value)
 
 
 def test_install_is_idempotent():

@@ -72,9 +72,16 @@ def _wrap_check_enough(original):
 
 
 def install_relaxed_pool_check() -> None:
-    """Patch vLLM's start-up pool check (EngineCore process; idempotent)."""
-    from vllm.v1.core import kv_cache_utils
+    """Patch vLLM's start-up pool check (EngineCore process; idempotent). vLLM 0.33 moved the
+    check to ``vllm.v1.core.kv_cache_planning`` (:func:`~obcache_vllm.vllm_ext.seams.
+    module_of`)."""
+    import importlib
+
     from vllm.v1.engine import core
 
+    from obcache_vllm.vllm_ext.seams import module_of
+
+    name = "_check_enough_kv_cache_memory"
+    owner = importlib.import_module(module_of("vllm.v1.core.kv_cache_utils", name))
     patch_method(core, "get_kv_cache_configs", _wrap_get_kv_cache_configs)
-    patch_method(kv_cache_utils, "_check_enough_kv_cache_memory", _wrap_check_enough)
+    patch_method(owner, name, _wrap_check_enough)

@@ -112,13 +112,14 @@ class OBCacheScheduler(Scheduler):
             request.skip_reading_prefix_cache = not (blocks.reads_cache or blocks.entry_kind)
         super().add_request(request)
 
-    def _get_local_prefix_cache_hit(self, request):
+    def _get_local_prefix_cache_hit(self, request, *args):
+        # *args: vLLM 0.33 passes max_cache_hit_length as well.
         blocks = self.obcache_ledger.get(request.request_id)
         if blocks is None or blocks.disabled is not None:
-            return super()._get_local_prefix_cache_hit(request)
+            return super()._get_local_prefix_cache_hit(request, *args)
 
         def ordinary():
-            return super(OBCacheScheduler, self)._get_local_prefix_cache_hit(request)
+            return super(OBCacheScheduler, self)._get_local_prefix_cache_hit(request, *args)
 
         try:
             return self.obcache_prefix.lookup(request, blocks, ordinary)

@@ -71,6 +71,7 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         # The scheduler reports cumulative totals; the last one seen per (engine, metric, labels).
         self._obcache_seen: dict[tuple, int] = {}
         _live_rejections = self.obcache_rejected
+        _announce_refusals(vllm_config)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         super().record(
@@ -113,6 +114,20 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
             self.obcache_resident.observe(resident)
             if prompt_len > 0:
                 self.obcache_kept_ratio.observe(kept_prompt / prompt_len)
+
+
+def _announce_refusals(vllm_config) -> None:
+    """At server start: say once if this configuration refuses budgets, and why (e.g. the V2
+    model runner, with the setting that selects the V1 one)."""
+    from obcache_vllm.vllm_ext.frontend.admission import unsupported_reason
+
+    try:
+        reason = unsupported_reason(vllm_config)
+    except Exception as exc:  # never keep the server from starting over a message
+        reason = f"(could not be checked: {exc})"
+    if reason is not None:
+        logger.warning("obcache: requests with kv_budget will get HTTP 400 on this server: %s",
+                       reason)  # fmt: skip
 
 
 def count_rejection(field: str) -> None:
