@@ -6,8 +6,8 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-engine test-server fuzz lint clean-model bench bench-full \
-	deploy-render deploy-check loadtest loadtest-compare soak compat
+.PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full \
+	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet
 
 setup:
 	@bash scripts/setup.sh
@@ -22,6 +22,9 @@ test: setup
 
 test-unit: setup
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+
+test-vllm: setup
+	$(PY) -m pytest -m vllm $(PYTEST_ARGS)
 
 test-engine: setup
 	$(PY) -m pytest -m engine $(PYTEST_ARGS)
@@ -97,3 +100,11 @@ docs: setup
 
 docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8008
+
+## Stock parity of every request option, plugin vs stock vLLM side by side (about 10 minutes)
+parity: setup
+	$(PY) -m loadtest parity --out results/parity
+
+## Two workers behind vllm-router, chats with kv_session through it (about 2 minutes)
+fleet: setup
+	$(PY) -m loadtest fleet --workers 2 --policy consistent_hash --out results/fleet

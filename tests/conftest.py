@@ -1,10 +1,13 @@
 """Shared test configuration.
 
-Layers (markers registered in pyproject.toml):
-  unit    tests/unit, no vLLM import, seconds (added automatically unless a test is `slow`)
+Tiers, by what a test needs (markers registered in pyproject.toml, added by folder):
+  unit    tests/unit, plain Python and torch, no vLLM import, seconds (unless also `slow`)
+  vllm    tests/vllm, real vLLM objects, kernels and processes, but no engine of its own
   engine  tests/engine, the real vLLM engine on the converted default model
   slow    minutes; select with -m slow, skip with -m "not slow"
-  server  tests that start the OpenAI-compatible HTTP server
+  server  tests/server, the OpenAI-compatible HTTP server (a real process)
+Helpers live in tests/support/ (not tests): the engine's internals and driver, the server
+process, texts, and the scripts run in subprocesses.
 
 Session fixtures here: `model_path` provisions the default model through the same code as
 `obcache-vllm model pull`; `plugin_trace_file` is where the plugin records each process that
@@ -67,6 +70,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if parts[0] == "engine":
             item.add_marker(pytest.mark.engine)
+        elif parts[0] == "vllm":
+            item.add_marker(pytest.mark.vllm)
         elif parts[0] == "server":
             item.add_marker(pytest.mark.server)
         elif parts[0] == "unit" and item.get_closest_marker("slow") is None:
@@ -94,7 +99,7 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     """The session's `obcache-vllm serve` (plugin active), small test settings."""
-    from serverproc import running_server
+    from support.server import running_server
 
     with running_server(tmp_path_factory.mktemp("server")) as srv:
         yield srv
@@ -103,7 +108,7 @@ def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def stock_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     """The same server with the plugin disabled (`VLLM_PLUGINS=`): stock vLLM."""
-    from serverproc import running_server
+    from support.server import running_server
 
     with running_server(
         tmp_path_factory.mktemp("stock-server"), env_overrides={"VLLM_PLUGINS": ""}

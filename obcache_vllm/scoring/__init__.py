@@ -1,7 +1,8 @@
 """Scoring and token selection for KV-cache eviction: pure torch, no vLLM.
 
 score (``make_scorer``) -> pipeline (``make_pipeline``: which queries, pooling) -> kept indices
-(``select_keep``) -> decode-time ``RunningScores``. See PAPER.md for the OBCache formulas.
+(``select_keep``) -> decode-time ``RunningScores``. The OBCache formulas (arXiv 2510.07651)
+are in the docstring of :mod:`obcache_vllm.scoring.scores`.
 """
 
 from obcache_vllm.scoring.attention import WindowAttention

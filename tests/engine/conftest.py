@@ -1,6 +1,6 @@
 """Engine-test fixtures: one in-process plugin engine per session, a step driver, tokenizer.
 
-See helpers.py for why the engine runs in-process and how stock references are produced.
+See support/engine.py for why the engine runs in-process and how stock references are produced.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ENGINE_KWARGS, POOL_BLOCKS, Driver, Internals, KvEventLog
+from support.engine import ENGINE_KWARGS, POOL_BLOCKS, Driver, Internals, KvEventLog
 
 # Before any engine exists in this process (vLLM caches its env once an engine is up).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

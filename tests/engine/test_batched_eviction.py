@@ -9,8 +9,8 @@ off, every request processed alone.
 from __future__ import annotations
 
 import pytest
-from helpers import POOL_BLOCKS
-from texts import haystack
+from support.engine import POOL_BLOCKS
+from support.texts import haystack
 
 from obcache_vllm.vllm_ext.worker import runner as runner_mod
 
@@ -45,7 +45,6 @@ def _run(engine, prompts, kv, grouped: bool, monkeypatch, max_tokens=90):
                      64, 90, id="tova-last-query-shared"),
         pytest.param({"kv_pipeline": "h2o", "kv_scorer": "obcache_value"}, 64, 90,
                      id="h2o-summed"),
-        pytest.param({"kv_pipeline": "streaming"}, 64, 90, id="streaming"),
         # 64 stored decode queries are folded in (no order) before the first order at 332.
         pytest.param({"kv_pipeline": "h2o", "kv_scorer": "attn"}, 300, 150,
                      id="h2o-full-query-buffer-then-order"),
@@ -54,7 +53,7 @@ def _run(engine, prompts, kv, grouped: bool, monkeypatch, max_tokens=90):
 def test_batched_decode_evictions_equal_one_by_one(
     engine, tokenizer, monkeypatch, kv, budget, max_tokens
 ):
-    prompts = _prompts(tokenizer, 6)
+    prompts = _prompts(tokenizer, 4)
     kv = {"kv_budget": budget, "kv_decode": True, **kv}
     totals = engine.scheduler.obcache_totals
     before = totals.evictions

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import POOL_BLOCKS, run_stock
-from texts import haystack
+from support.engine import POOL_BLOCKS, run_stock
+from support.texts import haystack
 
 BS = 32
 

@@ -6,7 +6,6 @@ import json
 
 from obcache_vllm.evidence.eval.cells import Cell, load_results
 from obcache_vllm.evidence.eval.harness import Harness
-from obcache_vllm.options import WIRE_FIELDS
 
 SAMPLES = 3
 
@@ -25,9 +24,7 @@ def _cells(settings):
 
 
 def test_harness_runs_cells_through_the_engine_and_resumes(engine, model_path, tmp_path):
-    settings = ["query_aware"]
-    if "kv_compress_at" in WIRE_FIELDS:  # the engine option behind the query-agnostic setting
-        settings.append("query_agnostic")
+    settings = ["query_aware", "query_agnostic"]  # query-agnostic: kv_compress_at
     cells = _cells(settings)
     results = tmp_path / "results.jsonl"
     harness = Harness(results, model=str(model_path), llm=engine.llm, progress=False)

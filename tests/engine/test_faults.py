@@ -15,8 +15,8 @@ import logging
 import re
 
 import pytest
-from helpers import POOL_BLOCKS, run_stock
-from texts import needle_prompt
+from support.engine import POOL_BLOCKS, run_stock
+from support.texts import needle_prompt
 
 MAX_TOKENS = 16
 NAMES = ("plain0", "budget0", "faulty", "plain1", "budget1")

@@ -12,11 +12,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
-from helpers import ENGINE_KWARGS
-from texts import haystack
+from support.engine import ENGINE_KWARGS, PROBES
+from support.texts import haystack
 
 
 def _survive(model_path, requests: list[dict]) -> dict:
@@ -25,7 +24,7 @@ def _survive(model_path, requests: list[dict]) -> dict:
         json.dump(spec, f)
         f.flush()
         proc = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("survival_probe.py")), f.name],
+            [sys.executable, str(PROBES / "survival_probe.py"), f.name],
             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
             capture_output=True,
             text=True,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from texts import needle_parts
+from support.texts import needle_parts
 
 from obcache_vllm.eviction.planning import plan_eviction
 from obcache_vllm.model import EXPECTED_CONFIG
@@ -39,7 +39,7 @@ from obcache_vllm.options import parse_kv_options
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 NUM_PROMPTS = 20
-BLOCK_SIZE = 32  # the engine's (helpers.ENGINE_KWARGS)
+BLOCK_SIZE = 32  # the engine's (support.engine.ENGINE_KWARGS)
 BUDGET = 256
 NEW_TOKENS = 16
 MIN_OVERLAP = 0.99
@@ -175,7 +175,9 @@ def _start_hf(tmp: Path, model_path, prompts, contexts) -> subprocess.Popen:
     spec.write_text(
         json.dumps({"model": str(model_path), "prompts": prompts, "contexts": contexts})
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tests = str(Path(__file__).resolve().parents[1])  # support/ for the script's imports
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return subprocess.Popen(
         [sys.executable, __file__, str(spec), str(tmp / "out.pt")],
         env=env,

@@ -6,7 +6,7 @@ The scheduler puts it on every engine output of a budgeted request
 
 from __future__ import annotations
 
-from texts import haystack
+from support.texts import haystack
 
 BS = 32
 

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
-from helpers import POOL_BLOCKS
-from texts import haystack
+from support.engine import POOL_BLOCKS
+from support.texts import haystack
 
 from obcache_vllm.evidence import perplexity as ppl
 from obcache_vllm.evidence.forcing import (

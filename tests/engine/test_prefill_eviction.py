@@ -10,8 +10,8 @@ import math
 import time
 
 import pytest
-from helpers import POOL_BLOCKS, run_stock
-from texts import haystack, needle_prompt
+from support.engine import POOL_BLOCKS, run_stock
+from support.texts import haystack, needle_prompt
 
 BS = 32
 

@@ -7,8 +7,8 @@ bound of a prefill step: ceil((budget + chunk) / bs) + 1 blocks (planning.peak_b
 from __future__ import annotations
 
 import pytest
-from helpers import POOL_BLOCKS
-from texts import haystack
+from support.engine import POOL_BLOCKS
+from support.texts import haystack
 
 BS, CHUNK = 32, 256
 

@@ -8,8 +8,8 @@ engine, same chunking): the same kept tokens in every layer and the same output 
 from __future__ import annotations
 
 import pytest
-from helpers import POOL_BLOCKS, run_stock
-from texts import haystack
+from support.engine import POOL_BLOCKS, run_stock
+from support.texts import haystack
 
 BS = 32
 

@@ -4,8 +4,8 @@ of preemption when it does not, admission of a prompt that fits only compressed.
 from __future__ import annotations
 
 import pytest
-from helpers import POOL_BLOCKS
-from texts import haystack
+from support.engine import POOL_BLOCKS
+from support.texts import haystack
 
 BS = 32
 PRESSURE = {"kv_budget": 128, "kv_when": "pressure", "kv_pipeline": "tova"}

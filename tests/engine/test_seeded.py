@@ -18,10 +18,10 @@ import inspect
 import itertools
 
 import pytest
-from helpers import POOL_BLOCKS, run_stock
-from texts import haystack
+from support.engine import POOL_BLOCKS, run_stock
+from support.texts import haystack
 
-CHUNK = 256  # max_num_batched_tokens of the shared engine (helpers.ENGINE_KWARGS)
+CHUNK = 256  # max_num_batched_tokens of the shared engine (support.engine.ENGINE_KWARGS)
 SEEDS = (0, 1, 2, 3)
 TEMPERATURE = 0.7
 MAX_TOKENS = 12

@@ -4,8 +4,8 @@ shared safely, cleaned up with the prefix cache, and invisible to unbudgeted req
 from __future__ import annotations
 
 import pytest
-from helpers import POOL_BLOCKS
-from texts import haystack
+from support.engine import POOL_BLOCKS
+from support.texts import haystack
 
 BS = 32
 BUDGET = 160

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from texts import haystack
+from support.engine import PROBES
+from support.texts import haystack
 
 BS, CHUNK, POOL, BUDGET = 32, 512, 128, 512
 ENGINE = dict(
@@ -37,7 +38,7 @@ def _run(spec: dict, stock: bool, core: str) -> dict:
         if stock:
             env["VLLM_PLUGINS"] = ""
         proc = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("pool_runner.py")), str(src), str(dst)],
+            [sys.executable, str(PROBES / "pool_runner.py"), str(src), str(dst)],
             env=env, capture_output=True, text=True, timeout=1500,
         )  # fmt: skip
         if proc.returncode != 0 or not dst.exists():

@@ -85,7 +85,7 @@ def test_vllm_plugins_filter_switches_the_plugin(plugins, loaded, monkeypatch) -
 # --- The README's server: `obcache-vllm serve` on the default model -----------------------------
 
 
-# The session's `server` fixture (tests/conftest.py, tests/serverproc.py) is shared with
+# The session's `server` fixture (tests/conftest.py, tests/support/server.py) is shared with
 # tests/server: one server start per session.
 
 

@@ -1,6 +1,6 @@
 """Contained eviction faults through the real server: one request degrades, the server serves.
 
-The session server runs with ``OBCACHE_VLLM_FAULTS=1`` (tests/serverproc.py), so a request can
+The session server runs with ``OBCACHE_VLLM_FAULTS=1`` (tests/support/server.py), so a request can
 ask for a fault in ``vllm_xargs`` (obcache_vllm/eviction/faults.py). A torn cache finishes that
 request alone with vLLM's per-request error (HTTP 500, finish_reason "error"); a fault before
 anything was written leaves it uncompressed (HTTP 200, nothing evicted). Either way
@@ -15,7 +15,7 @@ import concurrent.futures as futures
 import re
 
 import pytest
-from serverproc import MODEL_NAME, Server
+from support.server import MODEL_NAME, Server
 
 from obcache_vllm import metrics as M
 from obcache_vllm.textgen import haystack

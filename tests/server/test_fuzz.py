@@ -37,7 +37,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-from serverproc import MODEL_NAME, Server, healthy
+from support.server import MODEL_NAME, Server, healthy
 
 from obcache_vllm.options import WIRE_FIELDS
 from obcache_vllm.scoring import PIPELINE_NAMES, SCORER_NAMES
@@ -94,20 +94,28 @@ PLAUSIBLE = {
     "kv_per_head": st.booleans(),
     "kv_prefill_evict": st.booleans(),
     "kv_session": st.booleans(),
+    "kv_when": st.sampled_from(["always", "pressure"]),
 }
-# A session cannot carry h2o's sums, nor combine with kv_compress_at / kv_prefill_evict.
-SESSION_CONFLICTS = {"kv_pipeline": "h2o", "kv_compress_at": None, "kv_prefill_evict": True}
+# Neither a session nor compression under pressure can carry h2o's sums, nor combine with
+# kv_compress_at / kv_prefill_evict (or each other): (field, value that opts in) -> conflicts.
+CONFLICTS = {
+    ("kv_session", True): {"kv_pipeline": "h2o", "kv_compress_at": None, "kv_prefill_evict": True},
+    ("kv_when", "pressure"): {
+        "kv_pipeline": "h2o", "kv_compress_at": None, "kv_prefill_evict": True, "kv_session": True,
+    },
+}
 
 
 def _consistent(fields):
-    """A plausible option set without kv_session's conflicts (it would be a valid 400)."""
-    values = {k: v for _, k, v in fields}
-    if values.get("kv_session") is not True:
-        return fields
-    clash = any(
-        k in values and (want is None or values[k] == want) for k, want in SESSION_CONFLICTS.items()
-    )
-    return [f for f in fields if f[1] != "kv_session"] if clash else fields
+    """A plausible option set without the conflicts above (each would be a valid 400): the
+    opt-in field is dropped where it clashes."""
+    for (name, on), clashes in CONFLICTS.items():
+        values = {k: v for _, k, v in fields}
+        if values.get(name) != on:
+            continue
+        if any(k in values and (want is None or values[k] == want) for k, want in clashes.items()):
+            fields = [f for f in fields if f[1] != name]
+    return fields
 
 
 def values_for(name: str):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server with per-request KV budgets, through the official `openai` client.
 
 One real `obcache-vllm serve` process on 127.0.0.1 for the whole session (`server`, see
-tests/conftest.py and tests/serverproc.py), plus one stock-vLLM server (`VLLM_PLUGINS=`) for the
+tests/conftest.py and tests/support/server.py), plus one stock-vLLM server (`VLLM_PLUGINS=`) for the
 identity test. Every timeout is generous: the development machine runs this on one loaded core.
 """
 
@@ -11,7 +11,7 @@ import math
 import time
 
 import pytest
-from serverproc import MODEL_NAME, POOL_BLOCKS, Server
+from support.server import MODEL_NAME, POOL_BLOCKS, Server
 
 from loadtest.scrape import Snapshot as Metrics
 from obcache_vllm import metrics as M

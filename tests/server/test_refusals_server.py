@@ -12,11 +12,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from serverproc import MODEL_NAME, TEST_SERVER_ARGS, Server, healthy, running_server
+from support.server import MODEL_NAME, TEST_SERVER_ARGS, Server, healthy, running_server
 
 from obcache_vllm import metrics as M
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "support"  # plain_scheduler.py
 
 
 def test_server_patches_load_in_the_api_server_process_only(server: Server) -> None:

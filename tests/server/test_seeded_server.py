@@ -2,7 +2,7 @@
 
 Before the fix, the first of these requests killed the engine (``CPU Generator does not use
 offset``): every request got HTTP 500 and ``/health`` went 503. The test server prefills at
-most 512 tokens per step (serverproc.TEST_SERVER_ARGS), so ~900-token prompts are chunked,
+most 512 tokens per step (support.server.TEST_SERVER_ARGS), so ~900-token prompts are chunked,
 and 8 of them do not fit the 96-block pool at once: they queue and run in waves.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from serverproc import MODEL_NAME, Server, healthy
+from support.server import MODEL_NAME, Server, healthy
 
 from obcache_vllm.textgen import haystack
 
 CHUNK = 512
-N = 8
+N = 6
 
 
 def _round(server: Server, bodies: list[dict]) -> list[tuple[int, dict]]:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from serverproc import production_env
+from support.server import production_env
 
 REPO = Path(__file__).resolve().parents[2]
 # 24 requests rarely preempt a request that has already evicted (the long run: 3 of 409

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+# The scripts tests run in subprocesses (fresh engines, other topologies).
+PROBES = Path(__file__).resolve().parent / "probes"
+
 # Engine settings shared by the plugin engine and the stock reference. A deliberately small
 # pool (96 blocks of 32 tokens = 3072 tokens) makes capacity measurable with short prompts
 # (this 2-core machine prefills only a few hundred tokens per second); 256 batched tokens make
@@ -156,7 +159,7 @@ def run_stock(engine_kwargs: dict, batches: list[list[dict]]) -> list[list[list[
         if threads == "0":  # one core each: the plugin engine is bound to core 0
             env["VLLM_CPU_OMP_THREADS_BIND"] = "1"
         proc = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("stock_runner.py")), str(spec), str(out)],
+            [sys.executable, str(PROBES / "stock_runner.py"), str(spec), str(out)],
             env=env,
             capture_output=True,
             text=True,

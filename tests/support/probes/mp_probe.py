@@ -2,7 +2,9 @@
 
 Run as a script by test_multiprocess.py: orders travel pickled on SchedulerOutput to the worker
 process and reports come back on ModelRunnerOutput. Prints one JSON line: what the worker
-recorded (kept count per layer) and the generated tokens.
+recorded (kept count per layer), the generated tokens, and the request's KV outcome as the
+scheduler (in the EngineCore process) reported it: its freed blocks and evictions are counted
+only once the worker's report reached the scheduler.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=8, extra_args=spec["kv"])
     out = llm.generate([{"prompt_token_ids": spec["prompt"]}], params, use_tqdm=False)
     kept = llm.collective_rpc(kept_counts)[0]
-    print("MP_PROBE " + json.dumps({"kept": kept, "tokens": list(out[0].outputs[0].token_ids)}))
+    outcome = (out[0].kv_transfer_params or {}).get("obcache")
+    result = {"kept": kept, "tokens": list(out[0].outputs[0].token_ids), "outcome": outcome}
+    print("MP_PROBE " + json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,12 @@ def _logger(registry: CollectorRegistry) -> OBCachePrometheusStatLogger:
     log.obcache_events = Counter("events", "", option, registry=registry)
     log.obcache_failures = Counter("failures", "", fault, registry=registry)
     log.obcache_preempted = Counter("preempted", "", registry=registry)
+    log.obcache_lookups = Counter("lookups", "", ["kind", "result"], registry=registry)
+    log.obcache_entries = Counter("entries", "", ["kind", "event"], registry=registry)
+    log.obcache_reused = Counter("reused", "", ["kind"], registry=registry)
+    log.obcache_preserved = Counter("preserved", "", registry=registry)
+    log.obcache_pressure = [Counter(n, "", registry=registry)
+                            for n in ("compressions", "avoided", "admissions")]  # fmt: skip
     for name in ("obcache_seconds", "obcache_resident", "obcache_kept_ratio"):
         setattr(log, name, Histogram(name, "", registry=registry))
     log._obcache_seen = {}
@@ -37,7 +43,10 @@ def test_cumulative_totals_are_counted_once_per_engine_and_label_set() -> None:
     first = {"by_option": [["obcache_key", "tova", 10, 2, 1]],
              "failures": [["score", "injected", 1]], "compressed_preemptions": 1}
     later = {"by_option": [["obcache_key", "tova", 30, 5, 2], ["attn", "h2o", 4, 1, 1]],
-             "failures": [["score", "injected", 1]], "compressed_preemptions": 3}
+             "failures": [["score", "injected", 1]], "compressed_preemptions": 3,
+             "prefix": [["session", "hit", 2], ["session", "miss", 1], ["session", "created", 3],
+                        ["session", "reused_tokens", 900], ["stock", "preserved", 5]],
+             "pressure": [4, 2, 1]}  # fmt: skip
     for payload in (first, first, later, later):  # totals repeat across steps
         log._record_obcache(payload, engine_idx=0)
     log._record_obcache(first, engine_idx=1)  # another engine's totals are its own
@@ -48,3 +57,9 @@ def test_cumulative_totals_are_counted_once_per_engine_and_label_set() -> None:
     assert _value(registry, "evicted", scorer="attn", pipeline="h2o") == 4
     assert _value(registry, "failures", stage="score", reason="injected") == 1 + 1
     assert _value(registry, "preempted") == 3 + 1
+    assert _value(registry, "lookups", kind="session", result="hit") == 2
+    assert _value(registry, "lookups", kind="session", result="miss") == 1
+    assert _value(registry, "entries", kind="session", event="created") == 3
+    assert _value(registry, "reused", kind="session") == 900
+    assert _value(registry, "preserved") == 5
+    assert [_value(registry, n) for n in ("compressions", "avoided", "admissions")] == [4, 2, 1]
