@@ -98,9 +98,29 @@ def split_policy_args(user_args: Sequence[str]) -> tuple[list[str], dict[str, st
     return rest, env
 
 
-def serve_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` plus SERVE_DEFAULT_ENV for the variables it does not set."""
-    return {**SERVE_DEFAULT_ENV, **environ}
+def tensor_parallel_size(args: Sequence[str]) -> int:
+    """The ``--tensor-parallel-size`` / ``-tp`` of vLLM server arguments (1 when absent; the
+    last occurrence wins, as in vLLM's parser)."""
+    size = 1
+    for i, arg in enumerate(args):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if arg == flag and i + 1 < len(args):
+                size = int(args[i + 1])
+            elif arg.startswith(flag + "="):
+                size = int(arg.split("=", 1)[1])
+    return size
+
+
+def serve_env(environ: Mapping[str, str], args: Sequence[str] = ()) -> dict[str, str]:
+    """``environ`` plus SERVE_DEFAULT_ENV for the variables it does not set.
+
+    With tensor parallelism on the CPU build, ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless set:
+    vLLM's default (``auto``, vllm/utils/ompmultiprocessing.py) binds rank N's OpenMP threads
+    to the N-th NUMA node's cores, so TP=3 (the default model's 3 KV heads) has no cores for
+    ranks 1 and 2 on a one-node machine; unbound, the ranks share the cores.
+    """
+    extra = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if tensor_parallel_size(args) > 1 else {}
+    return {**SERVE_DEFAULT_ENV, **extra, **environ}
 
 
 def _serve(user_args: Sequence[str]) -> int:
@@ -113,7 +133,7 @@ def _serve(user_args: Sequence[str]) -> int:
     argv, uses_default = build_serve_argv(user_args, model.default_model_path())
     if uses_default:
         model.pull()
-    os.environ.update(serve_env(os.environ))
+    os.environ.update(serve_env(os.environ, argv))
     return _run_vllm_serve(argv)
 
 

@@ -19,6 +19,9 @@ any unknown extra argument, so no client can inject faults into a production ser
 ``adopt``           the scheduler raises while a request adopts a cached compressed context
 ==================  ===========================================================================
 
+A worker stage (``score``, ``compact:N``) may name one tensor-parallel rank, ``score@1`` or
+``compact:5@2``: only that rank raises, which is how a fault on one rank is tested.
+
 How they are injected: :mod:`obcache_vllm.vllm_ext.fault_hooks` wraps the scheduler's order
 planning, the runner's commit and the layer function with the pieces below (pure Python and
 torch, so the layer half is unit-tested on plain tensors too).
@@ -50,6 +53,10 @@ class InjectedFault(RuntimeError):
 class Fault:
     stage: str
     layer: int = 0  # compact: the layer index that raises
+    rank: int | None = None  # score / compact: only this tensor-parallel rank raises
+
+    def on_rank(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
 
 
 @functools.cache
@@ -63,11 +70,13 @@ def requested(extra_args: Mapping[str, Any] | None) -> Fault | None:
     if not extra_args or FAULT_ARG not in extra_args or not enabled():
         return None
     spec = str(extra_args[FAULT_ARG])
-    stage, _, arg = spec.partition(":")
-    if stage not in STAGES or (arg and not arg.isdigit()):
+    head, at, rank = spec.partition("@")
+    stage, _, arg = head.partition(":")
+    if (stage not in STAGES or (arg and not arg.isdigit())
+            or (at and (not rank.isdigit() or stage not in ("score", "compact")))):  # fmt: skip
         logger.error("ignoring %s=%r; known stages: %s", FAULT_ARG, spec, ", ".join(STAGES))
         return None
-    return Fault(stage, int(arg) if arg else 0)
+    return Fault(stage, int(arg) if arg else 0, int(rank) if rank else None)
 
 
 class Faults:

@@ -102,13 +102,23 @@ def _wrap_commit(original):
     return _obcache_commit
 
 
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 without TP)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:  # no TP group in this process
+        return 0
+
+
 def _wrap_evict(original):
     @functools.wraps(original)
     def evict_after_attention(plan, layer, query, view, geom):
         chosen = {}
         for row in plan.rows:
             fault = _faults.peek(row.req_id, *LAYER_STAGES)
-            if fault is not None:
+            if fault is not None and fault.on_rank(_tp_rank()):
                 chosen[row.row] = fault
         if chosen:
             view = FaultyView(view, plan.read_block_table, chosen, plan.layer_index.get(layer))

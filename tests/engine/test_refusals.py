@@ -16,10 +16,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import ENGINE_KWARGS
+from support.engine import ENGINE_KWARGS, PROBES
 
 from obcache_vllm.options import KvOptionsError
 from obcache_vllm.vllm_ext.frontend import admission as support
@@ -150,16 +149,13 @@ def test_our_scheduler_and_its_subclasses_are_accepted(llm, scheduler_cls):
     assert support.admit_fields(fake, BUDGET, 500).budget == 64
 
 
-def test_shared_ranking_is_refused_under_tensor_parallelism_only(llm):
+def test_both_rankings_are_admitted_under_tensor_parallelism(llm):
+    """Run in vLLM's TP=3 engine: tests/engine/test_tensor_parallel_engine.py."""
     config = llm.llm_engine.vllm_config
     tp2 = _copy(config, parallel_config=_copy(config.parallel_config, tensor_parallel_size=2))
-    shared = {**BUDGET, "kv_per_head": False}
-    with pytest.raises(KvOptionsError) as info:
-        support.admit_fields(tp2, shared, 500)
-    assert info.value.field == "kv_per_head" and "tensor_parallel_size=2" in str(info.value)
+    assert not support.admit_fields(tp2, {**BUDGET, "kv_per_head": False}, 500).per_head
     assert support.admit_fields(tp2, {**BUDGET, "kv_per_head": True}, 500).per_head
     assert support.admit_fields(tp2, BUDGET, 500).per_head  # the built-in default: per head
-    assert not support.admit_fields(config, shared, 500).per_head  # TP 1: fine
 
 
 def test_window_beyond_the_context_is_refused(llm):
@@ -225,7 +221,7 @@ def test_prompt_embeds_budget_is_refused_and_the_engine_keeps_serving(model_path
     spec = {"engine": {"model": str(model_path), **ENGINE_KWARGS}}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("embeds_probe.py")), json.dumps(spec)],
+        [sys.executable, str(PROBES / "embeds_probe.py"), json.dumps(spec)],
         env=env,
         capture_output=True,
         text=True,

@@ -143,3 +143,13 @@ def test_policy_flags_become_the_environment_the_server_reads():
             cli.split_policy_args(bad)
     with pytest.raises(config.ConfigError, match="kv_when"):
         config.load_policy({"OBCACHE_KV_WHEN": "sometimes", "OBCACHE_VLLM_CONFIG": ""})
+
+
+def test_tensor_parallel_serving_unbinds_the_cpu_ranks_unless_the_user_binds_them() -> None:
+    assert cli.tensor_parallel_size(["--port", "8000"]) == 1
+    assert cli.tensor_parallel_size(["--tensor-parallel-size", "3"]) == 3
+    assert cli.tensor_parallel_size(["-tp=2", "--tensor-parallel-size=3"]) == 3
+    assert cli.serve_env({}, ["-tp", "3"])["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cli.serve_env({}, ["--port", "1"])
+    mine = cli.serve_env({"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, ["-tp", "2"])
+    assert mine["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"

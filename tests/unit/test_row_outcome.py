@@ -34,3 +34,17 @@ def test_first_fault_is_kept_and_injected_faults_are_labelled():
     outcome.fail("compact", ValueError("later"), "model.layers.1")
     assert outcome.failure[:2] == ("score", "injected")
     assert "model.layers.0" in outcome.failure[2]
+
+
+def test_a_worker_fault_can_name_one_tensor_parallel_rank(monkeypatch) -> None:
+    from obcache_vllm.eviction import faults
+
+    monkeypatch.setattr(faults, "enabled", lambda: True)
+    parse = faults.requested
+    assert parse({"obcache_fault": "score"}) == faults.Fault("score")
+    one = parse({"obcache_fault": "compact:5@2"})
+    assert one == faults.Fault("compact", 5, 2)
+    assert one.on_rank(2) and not one.on_rank(0)
+    assert faults.Fault("score").on_rank(1)  # no rank: every rank
+    for bad in ("score@x", "schedule@1", "score@", "compact:a@1"):
+        assert parse({"obcache_fault": bad}) is None, bad

@@ -13,10 +13,10 @@ Where each step runs (API-server process; the offline ``LLM``'s own process)::
   kv_* fields but no (or a broken) wire form is a counted fault there, never silently stock.
 
 A refusal is a :class:`~obcache_vllm.options.KvOptionsError` naming the field (``kv_budget``
-for what the engine cannot do, ``kv_per_head`` for the per-layer ranking under tensor
-parallelism); :func:`rejected` is the one conversion into vLLM's ``VLLMValidationError``
-(HTTP 400), counted by field. Requests without a budget are never refused for their options:
-they are stock vLLM requests (only a pool smaller than the context can make one unservable).
+for what the engine cannot do, else the option that cannot be honoured); :func:`rejected` is
+the one conversion into vLLM's ``VLLMValidationError`` (HTTP 400), counted by field. Requests
+without a budget are never refused for their options: they are stock vLLM requests (only a
+pool smaller than the context can make one unservable).
 
 What the engine configuration refuses is decided from data: the generic checks below read
 ``vllm_config``; the platform's attention-backend adapter and the scheduler-class check are
@@ -45,9 +45,6 @@ MLA                               latent KV (one compressed head), another cache
 decode/prefill context parallel   a request's KV is split across ranks
 prompt embeddings                 the worker tracks token-id prompts only: scheduler and
                                   worker would disagree on the request (engine death)
-``kv_per_head: false`` with TP    one ranking per layer needs every KV head's scores; TP
-                                  splits heads across ranks. The ranking's all-reduce exists
-                                  (2 gloo ranks tested) but has not run in vLLM's TP engine
 ================================  ==========================================================
 """
 
@@ -193,15 +190,6 @@ def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens) -
             "needs prefix caching (the continued cache lives in vLLM's prefix cache); the "
             "server runs with --no-enable-prefix-caching",
             True,
-        )
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp > 1 and not options.per_head:
-        raise KvOptionsError(
-            "kv_per_head",
-            f"false (one ranking per layer) is not supported with tensor parallelism "
-            f"(tensor_parallel_size={tp}) until it has been checked in vLLM's tensor-parallel "
-            "engine (each rank holds only its own KV heads' scores); use kv_per_head: true",
-            False,
         )
     check_fits(vllm_config, num_prompt_tokens, max_tokens, options)
     return Admitted(options)
