@@ -7,6 +7,9 @@
     parity [--out DIR] [--quick]
         Every request option of vLLM's completions and chat APIs against the plugin server and
         stock vLLM (both launched); DIR/report.{json,md}; exit status 1 on a difference or 5xx.
+    fleet [--workers N] [--policy P] [--chats C] [--turns T] [--out DIR]
+        N workers behind vllm-router (all launched), chats with kv_session through the router;
+        DIR/report.{json,md}; exit status 1 when a check failed (loadtest/fleet.py).
 
 Only loopback targets unless ``--allow-remote``.
 """
@@ -66,7 +69,25 @@ def _parser() -> argparse.ArgumentParser:
     par_p = sub.add_parser("parity", help="every request option: plugin vs stock vLLM")
     par_p.add_argument("--out", type=Path, default=Path("results/parity"), help="report folder")
     par_p.add_argument("--quick", action="store_true", help="one value per field (the suite's)")
+    fleet_p = sub.add_parser("fleet", help="workers behind vllm-router, chats through it")
+    fleet_p.add_argument("--workers", type=int, default=2)
+    fleet_p.add_argument("--policy", default="consistent_hash",
+                         help="vllm-router --policy (consistent_hash: X-Session-ID affinity)")
+    fleet_p.add_argument("--chats", type=int, default=4)
+    fleet_p.add_argument("--turns", type=int, default=3)
+    fleet_p.add_argument("--plain", type=int, default=4, help="unbudgeted requests beside them")
+    fleet_p.add_argument("--out", type=Path, default=Path("results/fleet"), help="report folder")
     return ap
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from loadtest import fleet
+
+    report = fleet.launch_and_run(args.out, args.workers, args.policy, args.chats, args.turns,
+                                  args.plain)  # fmt: skip
+    fleet.write_report(report, args.out)
+    print((args.out / "report.md").read_text())
+    return 0 if report["passed"] else 1
 
 
 def _parity(args: argparse.Namespace) -> int:
@@ -135,7 +156,7 @@ def _compare(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        commands = {"run": _run, "compare": _compare, "parity": _parity}
+        commands = {"run": _run, "compare": _compare, "parity": _parity, "fleet": _fleet}
         return commands[args.command](args)
     except KeyboardInterrupt:
         return 130

@@ -262,3 +262,21 @@ def test_a_5xx_expected_by_its_kind_is_not_an_unexpected_one() -> None:
     assert "1 from injected faults" in checks["no_5xx"].detail
     other = _by_name(_result([_outcome(p[0], category="5xx"), _outcome(p[1])], before, before))
     assert other["no_5xx"].ok is False
+
+
+def test_fleet_checks_read_the_router_and_the_workers() -> None:
+    from loadtest import fleet
+
+    text = ('vllm_router_processed_requests_total{worker="http://a"} 3\n'
+            'vllm_router_processed_requests_total{worker="http://b"} 2\n')  # fmt: skip
+    assert fleet.router_counts(text, ["http://a", "http://b"]) == [3, 2]
+    assert fleet.router_counts("unavailable: refused", ["http://a"]) is None
+    run = {"sent": 5, "statuses": {"200": 5}, "served_per_worker": [3.0, 2.0],
+           "router_per_worker": [3.0, 2.0], "follow_ups": 2, "follow_ups_continuing": 1}
+    by_name = {c["name"]: c["ok"] for c in fleet.checks(run, "consistent_hash", True)}
+    assert by_name == {"healthy": True, "no_5xx": True, "counted": True, "spread": True,
+                       "router_agrees": True, "affinity": False}  # one turn lost its cache
+    assert "affinity" not in {c["name"] for c in fleet.checks(run, "round_robin", True)}
+    lopsided = {**run, "served_per_worker": [5.0, 0.0], "router_per_worker": [4.0, 1.0]}
+    by_name = {c["name"]: c["ok"] for c in fleet.checks(lopsided, "round_robin", True)}
+    assert not by_name["spread"] and not by_name["router_agrees"] and by_name["counted"]
