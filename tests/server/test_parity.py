@@ -12,11 +12,11 @@ from loadtest import parity
 
 
 def test_every_request_option_behaves_as_in_stock_vllm(server, stock_server):
-    report = parity.run(server.url, stock_server.url, quick=True)
+    report = parity.run(server.url, stock_server.url, quick=True, workers=4)
     assert report["fields_without_values"] == []
     differences = [r for r in report["results"] if r["same"] is False]
     assert report["stock_differences"] == 0, differences[:3]
-    assert report["stock_cases"] >= 120  # 55 completion + 68 chat fields in vLLM 0.32
+    assert report["stock_cases"] >= 70  # 55 completion fields + the chat-only ones in vLLM 0.32
     bad = [r for r in report["results"] if r["case"]["budget"] and not r["plugin_status"] < 500]
     assert report["budgeted_5xx"] == 0 and report["budgeted_4xx_without_reason"] == 0, bad[:3]
     beam = [r for r in report["results"]
