@@ -126,6 +126,33 @@ PANELS: list[tuple[str, str, str, str, list[tuple[str, str]]]] = [
        "rejected: {{field}}"),
       (f"sum by (stage, reason) (rate(vllm:obcache_eviction_failures_total{OSEL}{RATE}))",
        "failure: {{stage}} / {{reason}}")]),
+    ("obcache: prefix cache and sessions", "Compressed-context lookups", "short",
+     "vllm:obcache_compressed_lookups_total per second, by kind (compress_at, session) and "
+     "result (hit: adopted, miss: recomputed). Many session misses in a fleet: check the "
+     "router's session affinity.",
+     [(f"sum by (kind, result) (rate(vllm:obcache_compressed_lookups_total{OSEL}{RATE}))",
+       "{{kind}} {{result}}")]),
+    ("obcache: prefix cache and sessions", "Reused tokens and preserved blocks", "short",
+     "vllm:obcache_reused_tokens_total per second (prompt tokens not recomputed, by kind) and "
+     "vllm:obcache_preserved_blocks_total per second (stock blocks copied aside before a "
+     "compaction and registered).",
+     [(f"sum by (kind) (rate(vllm:obcache_reused_tokens_total{OSEL}{RATE}))",
+       "reused: {{kind}}"),
+      (f"sum(rate(vllm:obcache_preserved_blocks_total{OSEL}{RATE}))", "preserved blocks")]),
+    ("obcache: prefix cache and sessions", "Compressed entries created and evicted", "short",
+     "vllm:obcache_compressed_entries_total per second by kind and event (created; evicted "
+     "under the pool's LRU, the index bound or a replacement).",
+     [(f"sum by (kind, event) (rate(vllm:obcache_compressed_entries_total{OSEL}{RATE}))",
+       "{{kind}} {{event}}")]),
+    ("obcache: compression under pressure", "Compressions under pressure", "short",
+     "vllm:obcache_pressure_compressions_total (kv_when=pressure requests compressed because "
+     "the pool was short), vllm:obcache_preemptions_avoided_total (steps whose shortfall "
+     "compression covered) and vllm:obcache_pressure_admissions_total (prompts admitted by "
+     "their compressed footprint), per second, beside vLLM's preemptions.",
+     [(f"sum(rate(vllm:obcache_pressure_compressions_total{OSEL}{RATE}))", "compressions"),
+      (f"sum(rate(vllm:obcache_preemptions_avoided_total{OSEL}{RATE}))", "preemptions avoided"),
+      (f"sum(rate(vllm:obcache_pressure_admissions_total{OSEL}{RATE}))", "admissions"),
+      (f"sum(rate(vllm:num_preemptions_total{VSEL}{RATE}))", "vLLM preemptions")]),
 ]
 
 

@@ -35,6 +35,10 @@ SERVER_COUNTERS = {
     "obcache_rejected_requests": scrape.REJECTED,
     "obcache_eviction_failures": scrape.FAILURES,
     "obcache_compressed_preemptions": scrape.COMPRESSED_PREEMPTIONS,
+    "obcache_pressure_compressions": scrape.PRESSURE_COMPRESSIONS,
+    "obcache_preemptions_avoided": scrape.PREEMPTIONS_AVOIDED,
+    "obcache_pressure_admissions": scrape.PRESSURE_ADMISSIONS,
+    "obcache_reused_tokens": scrape.REUSED_TOKENS,
 }
 
 
