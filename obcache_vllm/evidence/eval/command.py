@@ -3,6 +3,7 @@
     obcache-vllm eval run [grid options]       compute missing cells, then write the report
     obcache-vllm eval report                   results.jsonl -> results.json, RESULTS.md, PNGs
     obcache-vllm eval kvpress [grid options]   the same cells through NVIDIA kvpress (HF)
+    obcache-vllm eval sessions [options]       multi-turn retrieval: full, recompute, kv_session
 
 vLLM and transformers are imported only when a command needs them.
 """
@@ -83,6 +84,13 @@ def add_eval_parser(sub) -> None:
     kv.add_argument("--python", default=None,
                     help="the kvpress venv's python (default: $KVPRESS_PYTHON, else "
                     "../venvs/kvpress/bin/python; create it with scripts/kvpress_venv.sh)")
+    ses = esub.add_parser("sessions", help="quality over turns: full cache, a budget "
+                          "recomputed each turn, a budget carried over turns (kv_session)")
+    ses.add_argument("--conversations", type=int, default=30)
+    ses.add_argument("--turns", type=int, default=8)
+    ses.add_argument("--budgets", type=_csv(float), default=[0.25, 0.5])
+    ses.add_argument("--model", default=None)
+    ses.add_argument("--out", type=Path, default=Path("results/eval-sessions"))
 
 
 def _cells(args, engine: str):
@@ -99,6 +107,10 @@ def _cells(args, engine: str):
 
 
 def eval_command(args: argparse.Namespace) -> int:
+    if args.eval_command == "sessions":
+        from obcache_vllm.evidence.eval import sessions
+
+        return sessions.main(args)
     results = args.results_dir / "results.jsonl"
     if args.eval_command == "run":
         from obcache_vllm.evidence.eval.harness import Harness
