@@ -274,3 +274,19 @@ def test_prefill_evict_cells_send_the_option_and_are_named_apart():
     assert "kv_prefill_evict" not in plain.extra_args(1000) and pe.key != plain.key
     with pytest.raises(ValueError, match="prefill_evict"):
         Cell("niah_single", 512, "full", "full", "-", 1.0, 4, 0, True, prefill_evict=True)
+
+
+def test_session_conversations_ask_for_facts_they_state() -> None:
+    from obcache_vllm.evidence.eval import sessions
+
+    conv = sessions.conversation(3)
+    assert conv == sessions.conversation(3)  # seeded
+    system_facts, turn_facts = conv.facts[:2], conv.facts[2:]
+    assert all(f.statement.rstrip(".") in conv.system for f in system_facts)
+    assert all(f.statement in conv.first_turn for f in turn_facts)
+    assert [conv.question(t)[1] for t in (2, 3, 4, 5)] == list(conv.facts)
+    answers = [sessions.Answer("a", 0, 2, "1234", "It is 1234.", True, None),
+               sessions.Answer("a", 0, 4, "5678", "no idea", False, None)]
+    table = sessions.table(answers, 4)
+    assert "| a | **0.50** (n=2) | 1.00 | 0.00 | 0.00 |" in table
+    assert "| a | 1.00 (n=1) | 0.00 (n=1) |" in table  # turn 2: system text; turn 4: first turn
