@@ -53,7 +53,7 @@ def _run(engine, prompts, kv, grouped: bool, monkeypatch, max_tokens=90):
 def test_batched_decode_evictions_equal_one_by_one(
     engine, tokenizer, monkeypatch, kv, budget, max_tokens
 ):
-    prompts = _prompts(tokenizer, 4)
+    prompts = _prompts(tokenizer, 6)
     kv = {"kv_budget": budget, "kv_decode": True, **kv}
     totals = engine.scheduler.obcache_totals
     before = totals.evictions
