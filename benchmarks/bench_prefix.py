@@ -96,6 +96,9 @@ class ArmResult:
     seconds: float = 0.0
     hits: float = 0.0
     queries: float = 0.0
+    # The plugin's compressed-context counters over the arm: (kind, event) -> increase, so a
+    # run says whether entries were made and lost, not only whether follow-ups found them.
+    entries: dict = field(default_factory=dict)
 
 
 def _arm_body(arm: str, workload: str, doc_tokens: int | None) -> dict:
@@ -204,12 +207,31 @@ async def _chat(url, workload, arm, sessions, turns, clients, max_tokens):
     return samples
 
 
-def _metric(url: str, name: str) -> float:
+def _snapshot(url: str) -> Snapshot:
     import urllib.request
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        snap = Snapshot.parse(resp.read().decode(), time.time())
-    return snap.value(name)
+        return Snapshot.parse(resp.read().decode(), time.time())
+
+
+def _metric(url: str, name: str) -> float:
+    return _snapshot(url).value(name)
+
+
+ENTRY_SERIES = (("vllm:obcache_compressed_entries_total", "event"),
+                ("vllm:obcache_compressed_lookups_total", "result"))  # fmt: skip
+
+
+def _entry_counts(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """Increases of the compressed-context counters, keyed "entries:created" etc."""
+    out = {}
+    for name, label in ENTRY_SERIES:
+        for (sample, labels), value in after.samples.items():
+            if sample != name:
+                continue
+            key = f"{name.split('_compressed_')[1].removesuffix('_total')}:{dict(labels)[label]}"
+            out[key] = out.get(key, 0.0) + value - before.samples.get((sample, labels), 0.0)
+    return out
 
 
 WORKLOADS = {
@@ -236,6 +258,7 @@ def run_arm(workload: str, arm: str, args, tokenizer) -> ArmResult:
     with launched(server_args, env, out) as url:
         hits0 = _metric(url, "vllm:prefix_cache_hits_total")
         queries0 = _metric(url, "vllm:prefix_cache_queries_total")
+        snap0 = _snapshot(url)
         started = time.perf_counter()
         if kind == "docs":
             coro = _docs(url, workload, arm, groups, per, clients, tokenizer, args.max_tokens)
@@ -245,6 +268,7 @@ def run_arm(workload: str, arm: str, args, tokenizer) -> ArmResult:
         result.seconds = time.perf_counter() - started
         result.hits = _metric(url, "vllm:prefix_cache_hits_total") - hits0
         result.queries = _metric(url, "vllm:prefix_cache_queries_total") - queries0
+        result.entries = _entry_counts(snap0, _snapshot(url))
     return result
 
 
@@ -274,6 +298,7 @@ def summarize(result: ArmResult) -> dict:
         "reused_followups": sum(1 for s in ok if s.index > 0 and (s.obcache or {}).get(
             "reused_tokens")),  # fmt: skip
         "resident_tokens_mean": statistics.mean(blocks) if blocks else None,
+        "compressed_contexts": result.entries,
         "seconds": result.seconds,
     }
 
