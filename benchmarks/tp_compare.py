@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,35 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from support.engine import ENGINE_KWARGS  # noqa: E402
-from support.texts import haystack  # noqa: E402
-
-PROBE = ROOT / "tests" / "support" / "probes" / "tp_probe.py"
-KV = {"kv_budget": 128, "kv_pipeline": "snapkv", "kv_scorer": "obcache_key", "kv_window": 16}
-REQUESTS = {
-    "per_head": {**KV, "kv_per_head": True},
-    "per_layer": {**KV, "kv_per_head": False},
-    "decode": {"kv_budget": 128, "kv_pipeline": "tova", "kv_scorer": "obcache_value",
-               "kv_decode": True},
-    "h2o": {"kv_budget": 128, "kv_pipeline": "h2o", "kv_scorer": "attn"},
-    "streaming": {"kv_budget": 128, "kv_pipeline": "streaming"},
-    "compress_at": {**KV, "kv_scorer": "obcache_joint", "kv_compress_at": 200},
-    "prefill_evict": {"kv_budget": 96, "kv_pipeline": "tova", "kv_prefill_evict": True},
-}  # fmt: skip
-KEYS = ("evictions", "freed_blocks", "prompt_tokens_kept", "resident_tokens")
+from support.tp import COMPARED as REQUESTS  # noqa: E402
+from support.tp import OUTCOME_KEYS as KEYS  # noqa: E402
+from support.tp import prompts as tp_prompts  # noqa: E402
+from support.tp import run_probe  # noqa: E402
 
 
-def probe(tp: int, model: str, prompts: dict) -> dict:
-    spec = {"tp": tp, "engine": {"model": model, **ENGINE_KWARGS}, "prompts": prompts,
-            "requests": REQUESTS, "max_tokens": 40}  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    proc = subprocess.run([sys.executable, str(PROBE), json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=1200)  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TP_PROBE ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"TP={tp} probe failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("TP_PROBE "):])
+def probe(tp: int, model: str, prompt_ids: dict) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    return run_probe(tp, {"model": model, **ENGINE_KWARGS}, prompt_ids, REQUESTS)
 
 
 def compare(one: dict, three: dict) -> list[dict]:
@@ -85,7 +65,7 @@ def main() -> int:
 
     path = str(model.pull(log=lambda m: None))
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = {n: tok(haystack(14, seed=21 + i)).input_ids for i, n in enumerate(REQUESTS)}
+    prompts = tp_prompts(tok, REQUESTS)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     one, three = probe(1, path, prompts), probe(3, path, prompts)
     rows = compare(one, three)

@@ -22,54 +22,22 @@ float32; on these requests the kept sets and tokens are identical, which the tes
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from support.texts import haystack
+from support.tp import COMPARED, KV, MAX_TOKENS, OUTCOME_KEYS, PROBE, prompts, run_probe
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-PROBE = Path(__file__).resolve().parents[1] / "support" / "probes" / "tp_probe.py"
-KV = {"kv_budget": 128, "kv_pipeline": "snapkv", "kv_scorer": "obcache_key", "kv_window": 16}
 REQUESTS = {
-    "per_head": {**KV, "kv_per_head": True},
-    "per_layer": {**KV, "kv_per_head": False},
-    "decode": {"kv_budget": 128, "kv_pipeline": "tova", "kv_scorer": "obcache_value",
-               "kv_decode": True},
-    "h2o": {"kv_budget": 128, "kv_pipeline": "h2o", "kv_scorer": "attn"},
-    "streaming": {"kv_budget": 128, "kv_pipeline": "streaming"},
-    "compress_at": {**KV, "kv_scorer": "obcache_joint", "kv_compress_at": 200},
-    "prefill_evict": {"kv_budget": 96, "kv_pipeline": "tova", "kv_prefill_evict": True},
+    **COMPARED,
     # Rank 1 alone raises while scoring: ranks 0 and 2 compact every layer, rank 1 none. The
     # ranks agree before committing, so the request's cache is torn on all three alike (it ends
     # with an error, its blocks freed) and its neighbours are untouched. At TP=1 the fault
     # names a rank that does not exist and never fires.
     "fault_rank1": {**KV, "kv_per_head": True, "obcache_fault": "score@1"},
-}  # fmt: skip
-BUDGETED = [name for name in REQUESTS if name != "fault_rank1"]
-MAX_TOKENS = 40  # the decode request evicts again after 32 tokens
-
-
-def _prompts(tokenizer) -> dict[str, list[int]]:
-    """~380 tokens each (every budget evicts), a different text per request (no shared
-    prefix, so the prefix cache plays no part)."""
-    return {name: tokenizer(haystack(14, seed=21 + i)).input_ids
-            for i, name in enumerate(REQUESTS)}  # fmt: skip
-
-
-def _tp3(engine_kwargs: dict, prompts: dict) -> dict:
-    spec = {"tp": 3, "engine": engine_kwargs, "prompts": prompts, "requests": REQUESTS,
-            "max_tokens": MAX_TOKENS}  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    proc = subprocess.run([sys.executable, str(PROBE), json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TP_PROBE ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("TP_PROBE "):])
+}
+BUDGETED = list(COMPARED)
 
 
 def _tp1(engine, prompts: dict) -> dict:
@@ -93,8 +61,8 @@ def _tp1(engine, prompts: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(engine, engine_kwargs, tokenizer) -> dict[int, dict]:
-    prompts = _prompts(tokenizer)
-    return {1: _tp1(engine, prompts), 3: _tp3(engine_kwargs, prompts)}
+    ids = prompts(tokenizer, REQUESTS)
+    return {1: _tp1(engine, ids), 3: run_probe(3, engine_kwargs, ids, REQUESTS)}
 
 
 def test_tensor_parallel_eviction_matches_the_single_process_engine(runs) -> None:
@@ -104,7 +72,7 @@ def test_tensor_parallel_eviction_matches_the_single_process_engine(runs) -> Non
         assert three["finish"][name] == "length", name
         got, want = three["outcome"][name], one["outcome"][name]
         assert got["evictions"] >= 1 and got["freed_blocks"] >= 1, got
-        for key in ("evictions", "freed_blocks", "prompt_tokens_kept", "resident_tokens"):
+        for key in OUTCOME_KEYS:
             assert got[key] == want[key], (name, key, got, want)
     assert three["free_blocks"] == three["pool_blocks"] - 1  # vLLM's null block
 
