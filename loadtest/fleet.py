@@ -57,10 +57,6 @@ def router_executable() -> str:
     return shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 
 
-def router_installed() -> bool:
-    return Path(router_executable()).exists()
-
-
 @contextmanager
 def router(worker_urls: list[str], policy: str, log_path: Path, timeout_s: float = 120):
     """Yield the base URL of a healthy ``vllm-router`` in front of ``worker_urls``."""
