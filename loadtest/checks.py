@@ -138,7 +138,8 @@ def run_checks(result: RunResult) -> list[Check]:
         snap = result.after
         detail = (
             f"after {result.idle_wait_s:.1f} s: kv_cache_usage_perc "
-            f"{snap.value(scrape.KV_USAGE):g}, running {snap.value(scrape.RUNNING):g}, "
+            f"{snap.value(scrape.KV_USAGE):g} ({snap.value(scrape.HELD_BLOCKS):g} blocks held "
+            f"for compressed contexts), running {snap.value(scrape.RUNNING):g}, "
             f"waiting {snap.value(scrape.WAITING):g}"
         )
         out.append(Check("idle", result.idle, detail))

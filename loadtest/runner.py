@@ -75,13 +75,14 @@ async def _healthy(session: aiohttp.ClientSession, base_url: str) -> bool:
 async def _wait_idle(
     session: aiohttp.ClientSession, base_url: str, timeout_s: float, every_s: float
 ) -> tuple[bool, float]:
-    """Poll /metrics until no KV block is used and nothing runs or waits."""
+    """Poll /metrics until no request holds a KV block and nothing runs or waits (blocks held
+    for compressed contexts are not a request's: :meth:`scrape.Snapshot.unheld_kv_usage`)."""
     start = time.perf_counter()
     while True:
         try:
             snap = await scrape.scrape(session, base_url)
             if (
-                snap.value(scrape.KV_USAGE) == 0
+                snap.unheld_kv_usage() < 1e-9
                 and snap.value(scrape.RUNNING) == 0
                 and snap.value(scrape.WAITING) == 0
             ):

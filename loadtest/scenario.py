@@ -132,7 +132,9 @@ class Checks(_Frozen):
     """End-of-run assertions (the soak's); each can be switched off."""
 
     healthy: bool = True  # GET /health answers 200 after the run
-    idle: bool = True  # kv_cache_usage_perc back to 0, nothing running or waiting
+    # kv_cache_usage_perc back to 0 (less blocks held for compressed contexts), nothing
+    # running or waiting
+    idle: bool = True
     idle_timeout_s: float = Field(default=60, gt=0)
     no_5xx: bool = True  # no 5xx, no error event in a stream, no connection error
     expected_status: bool = True  # every answered request got its kind's expect_status

@@ -36,6 +36,8 @@ PRESSURE_COMPRESSIONS = M.PRESSURE_COMPRESSIONS.exposed
 PREEMPTIONS_AVOIDED = M.PREEMPTIONS_AVOIDED.exposed
 PRESSURE_ADMISSIONS = M.PRESSURE_ADMISSIONS.exposed
 REUSED_TOKENS = M.REUSED_TOKENS.exposed
+HELD_BLOCKS = M.HELD_BLOCKS.exposed
+CACHE_CONFIG = "vllm:cache_config_info"  # label num_gpu_blocks
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -59,6 +61,19 @@ class Snapshot:
         """Sum of ``name``'s samples whose labels include ``labels`` (0 when there is none)."""
         want = set(labels.items())
         return sum(v for (n, key), v in self.samples.items() if n == name and want <= set(key))
+
+    def unheld_kv_usage(self) -> float:
+        """``vllm:kv_cache_usage_perc`` less the blocks compressed contexts hold out of the LRU
+        (:data:`HELD_BLOCKS`; vLLM counts them as used, no request holds them): 0 on an idle
+        server. Without the pool size in ``vllm:cache_config_info`` the usage as it is."""
+        usage, held = self.value(KV_USAGE), self.value(HELD_BLOCKS)
+        if not held:
+            return usage
+        sizes = [dict(key).get("num_gpu_blocks") for n, key in self.samples if n == CACHE_CONFIG]
+        sizes = [int(v) for v in sizes if v and v.isdigit()]
+        if not sizes or sizes[0] <= 1:
+            return usage
+        return max(0.0, usage - held / (sizes[0] - 1))  # vLLM's usage leaves out the null block
 
     def names(self) -> set[str]:
         """Every sample name of the scrape (``_total``, ``_bucket``... included)."""

@@ -185,3 +185,28 @@ def merge_request(defaults: Mapping[str, Any], requested: Mapping[str, Any]) -> 
     merged.update(requested)
     merged["kv_budget"] = budget
     return merged
+
+
+ENTRY_SHARE_ENV = "OBCACHE_ENTRY_POOL_SHARE"
+DEFAULT_ENTRY_SHARE = 0.25
+
+
+def entry_pool_share(environ: Mapping[str, str] | None = None) -> float:
+    """The share of the KV pool that compressed contexts may hold out of vLLM's LRU
+    (``$OBCACHE_ENTRY_POOL_SHARE``, 0 to 1; default 0.25; 0: entries are ordinary free cached
+    blocks). See :class:`obcache_vllm.eviction.entries.HeldEntries`.
+
+    Raises:
+        ConfigError: not a number in [0, 1] (the message names the variable).
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENTRY_SHARE_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_ENTRY_SHARE
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"{ENTRY_SHARE_ENV}={raw!r}: must be a number from 0 to 1")
+    return share

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class MetricSpec:
     name: str
-    kind: str  # "counter" | "histogram"
+    kind: str  # "counter" | "histogram" | "gauge"
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
@@ -99,8 +99,10 @@ COMPRESSED_LOOKUPS = MetricSpec(
 COMPRESSED_ENTRIES = MetricSpec(
     "vllm:obcache_compressed_entries",
     "counter",
-    "Compressed contexts left in the prefix cache (event=created) and gone again under the "
-    "pool's LRU, the index bound or a replacement (event=evicted), by kind.",
+    "Compressed contexts left in the prefix cache (event=created), gone again under the "
+    "pool's LRU, the index bound or a replacement (event=evicted), and no longer held out of "
+    "the LRU because a request needed the blocks or the held share was full (event=released), "
+    "by kind.",
     ("kind", "event"),
 )
 REUSED_TOKENS = MetricSpec(
@@ -114,6 +116,14 @@ PRESERVED_BLOCKS = MetricSpec(
     "counter",
     "Blocks of stock KV copied aside before a compaction overwrote them and registered in the "
     "prefix cache (so later requests read the whole prompt).",
+)
+
+HELD_BLOCKS = MetricSpec(
+    "vllm:obcache_held_blocks",
+    "gauge",
+    "KV-cache blocks that compressed contexts hold out of vLLM's LRU (counted as used in "
+    "vllm:kv_cache_usage_perc; bounded by OBCACHE_ENTRY_POOL_SHARE of the pool, given up before "
+    "any request is preempted for them).",
 )
 
 PRESSURE_COMPRESSIONS = MetricSpec(
@@ -149,6 +159,7 @@ METRICS: tuple[MetricSpec, ...] = (
     COMPRESSED_ENTRIES,
     REUSED_TOKENS,
     PRESERVED_BLOCKS,
+    HELD_BLOCKS,
     PRESSURE_COMPRESSIONS,
     PREEMPTIONS_AVOIDED,
     PRESSURE_ADMISSIONS,

@@ -121,19 +121,55 @@ def test_compress_at_entries_are_adopted_exactly(fresh, tokenizer):
     assert cached_again == 0 and tokens == again
 
 
-def test_entries_die_cleanly_under_lru(fresh, tokenizer):
+def test_held_entries_survive_traffic_give_way_to_requests_then_die_cleanly(fresh, tokenizer):
+    """An entry is held out of vLLM's LRU (within OBCACHE_ENTRY_POOL_SHARE of the pool): it
+    survives unrelated prompts that cycle the whole pool; a running request that needs its
+    blocks gets them before anyone is preempted; released, it dies cleanly under the LRU."""
     engine = fresh
+    prefix = engine.scheduler.obcache_prefix
     doc, (q1, q2) = _doc(tokenizer, sentences=12), _questions(tokenizer)
     kv = {"kv_budget": 96, "kv_compress_at": len(doc), "kv_pipeline": "tova"}
     _generate(engine, doc + q1, kv)
-    entry = next(iter(engine.scheduler.obcache_prefix.entries))
-    # Unrelated prompts fill the pool: vLLM's LRU reuses every free block, the entry's too.
-    for seed in range(4):
-        _generate(engine, _doc(tokenizer, sentences=60, seed=seed), max_tokens=1)
-    assert not engine.scheduler.obcache_prefix.valid(entry)
+    entry = next(iter(prefix.entries))
+    assert prefix.held_blocks == len(entry.block_ids) and entry.entry_id in prefix.held
+    unrelated = [_doc(tokenizer, sentences=60, seed=seed) for seed in range(2)]
+    for prompt in unrelated:  # together more blocks than the pool: every free block reused
+        _generate(engine, prompt, max_tokens=1)
+    assert prefix.valid(entry)
+    _, cached, usage, _ = _generate(engine, doc + q2, kv)
+    assert cached == len(doc) and usage["reused_tokens"] == len(doc)
+    # Two requests that fit the pool only with the entry's blocks: admitted (their prompts
+    # fit beside it), they outgrow the rest while decoding; the entry gives way, nobody is
+    # preempted.
+    from vllm import SamplingParams
+
+    free = engine.pool.get_num_free_blocks()
+    need = (POOL_BLOCKS - 1 - len(entry.block_ids) // 2) // 2 * BS  # tokens each at the end
+    new_tokens = 3 * BS
+    assert 2 * (need - new_tokens) // BS < free < 2 * need // BS <= POOL_BLOCKS - 1
+    prompts = [_doc(tokenizer, sentences=60, seed=10 + i)[: need - new_tokens] for i in (0, 1)]
+    preempted, preempt = [], engine.scheduler._preempt_request
+
+    def counting(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    engine.scheduler._preempt_request = counting
+    try:
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                   use_tqdm=False)  # fmt: skip
+    finally:
+        del engine.scheduler._preempt_request
+    assert [len(o.outputs[0].token_ids) for o in outs] == [new_tokens, new_tokens]
+    assert preempted == [] and entry.entry_id not in prefix.held
+    assert prefix.counts[("compress_at", "released")] >= 1
+    for prompt in unrelated:  # released: the LRU may reuse its blocks, and does
+        _generate(engine, prompt, max_tokens=1)
+    assert not prefix.valid(entry)
     tokens, cached, usage, _ = _generate(engine, doc + q2, kv)
     assert "reused_tokens" not in usage and usage["evictions"] == 1  # recomputed
-    assert engine.scheduler.obcache_prefix.counts[("compress_at", "evicted")] >= 1
+    assert prefix.counts[("compress_at", "evicted")] >= 1
 
 
 def test_kv_events_tell_the_truth(fresh, tokenizer, kv_events):

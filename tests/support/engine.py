@@ -9,7 +9,6 @@ Stock vLLM references run in a subprocess with ``VLLM_PLUGINS=`` (plugin disable
 same engine settings, topology and batch composition.
 """
 
-
 from __future__ import annotations
 
 import json
@@ -65,7 +64,9 @@ class Internals:
         return self.core.model_executor.driver_worker.worker.model_runner
 
     def free_blocks(self) -> int:
-        return self.pool.get_num_free_blocks()
+        """Blocks no request holds: vLLM's free blocks plus those compressed entries hold out
+        of the LRU (released whenever a request needs them; see PrefixAdapter.reclaim)."""
+        return self.pool.get_num_free_blocks() + self.scheduler.obcache_prefix.held_blocks
 
     def live_blocks(self, req_id: str) -> int:
         """Blocks the request holds in the pool (null blocks excluded)."""

@@ -151,6 +151,15 @@ def test_metrics_snapshot_sums_and_splits_by_label() -> None:
     assert snap.value(scrape.EVICTED_TOKENS, pipeline="h2o") == 28
     assert snap.by_label(scrape.REQUEST_SUCCESS, "finished_reason") == {"length": 3, "abort": 1}
     assert snap.value("vllm:absent_total") == 0
+    assert snap.unheld_kv_usage() == 0.25  # nothing held for compressed contexts
+
+
+def test_idle_usage_leaves_out_blocks_held_for_compressed_contexts() -> None:
+    info = (scrape.CACHE_CONFIG, (("block_size", "32"), ("num_gpu_blocks", "97")))
+    samples = {(scrape.KV_USAGE, ()): 6 / 96, (scrape.HELD_BLOCKS, ()): 6.0, (info[0], info[1]): 1}
+    assert scrape.Snapshot(0.0, samples).unheld_kv_usage() == pytest.approx(0.0)
+    samples[(scrape.KV_USAGE, ())] = 10 / 96  # a request holds 4 more
+    assert scrape.Snapshot(0.0, samples).unheld_kv_usage() == pytest.approx(4 / 96)
 
 
 # --- end-of-run checks on synthetic runs -----------------------------------------------------

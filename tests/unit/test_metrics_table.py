@@ -31,5 +31,5 @@ def test_metric_names_are_unique_and_prefixed() -> None:
     names = [m.name for m in metrics.METRICS]
     assert len(set(names)) == len(names)
     assert all(n.startswith("vllm:obcache_") and not n.endswith("_total") for n in names)
-    assert all(m.kind in ("counter", "histogram") for m in metrics.METRICS)
+    assert all(m.kind in ("counter", "histogram", "gauge") for m in metrics.METRICS)
     assert all((m.buckets is not None) == (m.kind == "histogram") for m in metrics.METRICS)

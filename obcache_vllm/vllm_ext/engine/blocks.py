@@ -46,6 +46,9 @@ class PoolAdapter:
         self.group = managers[0]
         self.pool = kv_cache_manager.block_pool
         self.pressure_admissions = 0  # kv_when "pressure" requests admitted compressed
+        # Set by the prefix adapter: releases a held compressed entry for a request whose
+        # allocation failed (PrefixAdapter.reclaim); None without prefix caching.
+        self.reclaim = None
         self._cache_blocks = coordinator.cache_blocks
         self._allocate_slots = kv_cache_manager.allocate_slots
         coordinator.cache_blocks = self.cache_blocks
@@ -91,6 +94,10 @@ class PoolAdapter:
         if copies:  # the copies' blocks must be left free after the allocation
             kwargs = {**kwargs, "reserved_blocks": kwargs.get("reserved_blocks", 0) + len(copies)}
         allocated = self._allocate_slots(request, num_new_tokens, *args, **kwargs)
+        # Held entries give way before vLLM preempts (or a waiting request could never run):
+        # a failed allocate_slots changed nothing, so it is simply tried again.
+        while allocated is None and self.reclaim is not None and self.reclaim(request):
+            allocated = self._allocate_slots(request, num_new_tokens, *args, **kwargs)
         if allocated is not None and copies:
             req_blocks = self.group.req_to_blocks[request.request_id]
             for index in copies:

@@ -16,7 +16,12 @@ objects):
   (vLLM's block-copy queue, run by the worker before the next forward pass; both ends are
   held until then); a ``kv_session`` request's final cache is taken over when it finishes. A
   later request with the same tokens, options and cache salt adopts an entry as a prefix hit
-  ``[null] * dead + live`` (vLLM copies a partial last block itself).
+  ``[null] * dead + live`` (vLLM copies a partial last block itself). Entries are held out
+  of the LRU within ``OBCACHE_ENTRY_POOL_SHARE`` of the pool (one reference per block,
+  :class:`~obcache_vllm.eviction.entries.HeldEntries`) and given up, least recently adopted
+  first, when an allocation fails for a running request (before vLLM preempts) or for a
+  waiting one with nothing running (:meth:`PrefixAdapter.reclaim`, called by
+  :meth:`.blocks.PoolAdapter.allocate_slots`).
 * **KV events** (``--kv-events-config``): registered blocks hold stock KV and are published
   by vLLM as usual; entry blocks carry tags (:func:`~obcache_vllm.eviction.entries.tag`)
   that no token lookup can match, are never published, and their ``BlockRemoved`` events are
@@ -35,7 +40,8 @@ import logging
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from obcache_vllm.eviction.entries import Entry, EntryIndex, EntryKey, is_tag, tag
+from obcache_vllm.config import entry_pool_share
+from obcache_vllm.eviction.entries import Entry, EntryIndex, EntryKey, HeldEntries, is_tag, tag
 from obcache_vllm.eviction.ledger import CacheStart, RequestBlocks
 from obcache_vllm.vllm_ext.patching import patch_method
 
@@ -51,7 +57,7 @@ def _cdiv(a: int, b: int) -> int:
 class PrefixAdapter:
     """One scheduler's view of vLLM's prefix cache for budgeted requests."""
 
-    def __init__(self, scheduler, pool_adapter, capacity: int = 256) -> None:
+    def __init__(self, scheduler, pool_adapter, capacity: int = 256, share: float | None = None):
         self.scheduler = scheduler
         self.manager = scheduler.kv_cache_manager
         self.pool = self.manager.block_pool
@@ -61,17 +67,22 @@ class PrefixAdapter:
             self.pool.hash_block_size == self.block_size
         )
         self.entries = EntryIndex(capacity)
+        share = entry_pool_share() if share is None else share
+        self.held = HeldEntries(int(share * (self.pool.num_gpu_blocks - 1)))
+        self._held_blocks: dict[int, list] = {}  # entry id -> the blocks it holds a ref on
         # Cumulative counters for metrics: (kind, what) -> count, what in hit, miss, created,
-        # evicted, reused_tokens (kind "stock": preserved blocks).
+        # evicted, released, reused_tokens (kind "stock": preserved blocks).
         self.counts: dict[tuple[str, str], int] = {}
         if self.enabled:
             _filter_entry_events(self.pool)
+            pool_adapter.reclaim = self.reclaim
             manager, index = self.manager, self
 
             reset = manager.reset_prefix_cache
 
             @functools.wraps(reset)
             def reset_prefix_cache():
+                index.release_all()  # vLLM resets only a pool that no one holds
                 done = reset()
                 if done:
                     index.entries.clear()  # vLLM removed every hash, tags included
@@ -137,6 +148,7 @@ class PrefixAdapter:
             return None
         self.count(kind, "hit")
         self.count(kind, "reused_tokens", entry.tokens)
+        self.held.used(entry.entry_id)
         hit = [self.pool.null_block] * entry.dead + [self.pool.blocks[b] for b in entry.block_ids]
         blocks.adopt(CacheStart(kind, entry.tokens, entry.dead, depth=entry.depth,
                                 kept_prompt=entry.kept_prompt))  # fmt: skip
@@ -220,7 +232,7 @@ class PrefixAdapter:
             dead=blocks.dead,
             kept_prompt=tokens - blocks.dead * self.block_size,
         )
-        self._insert(entry)
+        self._insert(entry, dst)
         return entry
 
     def donate_blocks(self, request, blocks: RequestBlocks) -> Entry | None:
@@ -252,16 +264,64 @@ class PrefixAdapter:
             depth=depth,
             kept_prompt=tokens - blocks.dead * self.block_size,
         )
-        self._insert(entry)
+        self._insert(entry, live)
         return entry
 
-    def _insert(self, entry: Entry) -> None:
+    def _insert(self, entry: Entry, blocks) -> None:
         self.count(entry.key.kind, "created")
         self._release(self.entries.insert(entry), evicted=True)
+        self._hold(entry, blocks)
+
+    # -- held entries (eviction.entries.HeldEntries) -----------------------------------------
+    def _hold(self, entry: Entry, blocks) -> None:
+        """Take one reference on each block of a new entry, within the held share."""
+        released = self.held.hold(entry.entry_id, len(blocks))
+        if released is None:
+            return
+        for entry_id in released:
+            self._unhold(entry_id)
+        self.pool.touch(blocks)
+        self._held_blocks[entry.entry_id] = (entry.key.kind, list(blocks))
+
+    def _unhold(self, entry_id: int, *, counted: bool = True) -> None:
+        """Drop the entry's references: its blocks are free, cached, and still the entry's
+        until vLLM's LRU reuses one (counted as ``released``)."""
+        self.held.drop(entry_id)
+        kind, blocks = self._held_blocks.pop(entry_id, (None, None))
+        if blocks:
+            self.pool.free_blocks(blocks)
+            if counted:
+                self.count(kind, "released")
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks that compressed entries keep out of the LRU (not free, held by no request)."""
+        return self.held.blocks
+
+    def reclaim(self, request) -> bool:
+        """An allocation for ``request`` failed: release the least recently used held entry if
+        that is what stands between the request and the pool (a running request would be
+        preempted; a waiting one, with nothing running, would never be admitted). A waiting
+        request while others run waits for them, as in stock vLLM. Returns whether one was
+        released (the caller retries)."""
+        from vllm.v1.request import RequestStatus
+
+        oldest = self.held.oldest()
+        if oldest is None:
+            return False
+        if request.status != RequestStatus.RUNNING and self.scheduler.running:
+            return False
+        self._unhold(oldest)
+        return True
+
+    def release_all(self) -> None:
+        for entry_id in list(self._held_blocks):
+            self._unhold(entry_id, counted=False)
 
     def _release(self, entries, *, evicted: bool) -> None:
         """Drop the tags of entries that are gone (their blocks become plain free blocks)."""
         for entry in entries:
+            self._unhold(entry.entry_id, counted=False)
             if evicted:
                 self.count(entry.key.kind, "evicted")
             ids = {

@@ -87,8 +87,11 @@ class PressurePlanner:
         need_running = sum(self._next_need(r) for r in running)
         freed = sum(o.blocks_freed for o in orders.values())
         free = self.pool.pool.get_num_free_blocks() + freed
-        short_running = need_running - free
-        short = short_running + self._waiting_need()
+        # Blocks held for compressed contexts are given up before a running request is
+        # preempted (PrefixAdapter.reclaim), not for a waiting one while others run.
+        held = self.scheduler.obcache_prefix.held_blocks
+        short_running = need_running - free - held
+        short = max(0, short_running) + max(0, self._waiting_need() - max(0, free - need_running))
         if short <= 0:
             return {}
         requests = self.scheduler.requests

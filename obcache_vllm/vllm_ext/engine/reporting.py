@@ -38,9 +38,11 @@ def log_fault(req_id: str, stage: str, reason: str, detail: str, fate: str) -> N
 class EngineReporter:
     """Outcomes and stats of one scheduler's budgeted requests."""
 
-    def __init__(self, ledger: BlockLedger, prefix_counts: dict, pressure, pool) -> None:
+    def __init__(self, ledger: BlockLedger, prefix_counts: dict, pressure, pool,
+                 held=None) -> None:  # fmt: skip
         self.ledger = ledger
         self.prefix_counts = prefix_counts
+        self.held = held  # HeldEntries (blocks held for compressed entries)
         self.pressure = pressure  # PressureCounts
         self.pool = pool  # PoolAdapter (admissions under pressure)
         # Drained by make_stats: eviction seconds per step, finished requests.
@@ -98,6 +100,7 @@ class EngineReporter:
                 "seconds": seconds,
                 "finished": finished,
                 "prefix": [[k, w, n] for (k, w), n in self.prefix_counts.items()],
+                "held_blocks": self.held.blocks if self.held is not None else 0,
                 "pressure": [
                     self.pressure.compressions,
                     self.pressure.preemptions_avoided,

@@ -34,8 +34,12 @@ _live_rejections = None  # the rejected-requests Counter of the live logger, if 
 
 
 def _make(spec: metrics.MetricSpec):
-    from prometheus_client import Counter, Histogram
+    from prometheus_client import Counter, Gauge, Histogram
 
+    if spec.kind == "gauge":
+        return Gauge(
+            spec.name, spec.help, labelnames=list(spec.labels), multiprocess_mode="mostrecent"
+        )
     if spec.kind == "counter":
         return Counter(spec.name, spec.help, labelnames=list(spec.labels))
     if spec.kind == "histogram":
@@ -63,6 +67,8 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         self.obcache_entries = made[metrics.COMPRESSED_ENTRIES.name]
         self.obcache_reused = made[metrics.REUSED_TOKENS.name]
         self.obcache_preserved = made[metrics.PRESERVED_BLOCKS.name]
+        self.obcache_held = made[metrics.HELD_BLOCKS.name]
+        self._obcache_held: dict[int, int] = {}  # engine -> its held blocks, summed
         self.obcache_pressure = [
             made[spec.name]
             for spec in (metrics.PRESSURE_COMPRESSIONS, metrics.PREEMPTIONS_AVOIDED,
@@ -100,12 +106,15 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         for kind, what, count in payload.get("prefix", ()):
             if what in ("hit", "miss"):
                 self._advance(engine_idx, self.obcache_lookups, count, kind=kind, result=what)
-            elif what in ("created", "evicted"):
+            elif what in ("created", "evicted", "released"):
                 self._advance(engine_idx, self.obcache_entries, count, kind=kind, event=what)
             elif what == "reused_tokens":
                 self._advance(engine_idx, self.obcache_reused, count, kind=kind)
             elif what == "preserved":
                 self._advance(engine_idx, self.obcache_preserved, count)
+        if "held_blocks" in payload:
+            self._obcache_held[engine_idx] = payload["held_blocks"]
+            self.obcache_held.set(sum(self._obcache_held.values()))
         for counter, total in zip(self.obcache_pressure, payload.get("pressure", ()), strict=False):
             self._advance(engine_idx, counter, total)
         for seconds in payload.get("seconds", ()):

@@ -56,7 +56,9 @@ def main() -> None:
             peak[rid] = max(peak[rid], held)
     for rid, blocks in peak.items():
         results[rid]["peak_blocks"] = blocks
-    out.update(results=results, steps=steps, free_at_end=pool.get_num_free_blocks())
+    prefix = getattr(scheduler, "obcache_prefix", None)  # absent under stock vLLM
+    entry_blocks = prefix.held_blocks if prefix is not None else 0  # compressed entries
+    out.update(results=results, steps=steps, free_at_end=pool.get_num_free_blocks() + entry_blocks)
     out["finished"] = [
         [r.req_id, r.evictions, r.kept_prompt] for r in scheduler.obcache_finished
     ] if hasattr(scheduler, "obcache_finished") else []

@@ -64,7 +64,9 @@ def main() -> None:
         "outcome": {n: (o.kv_transfer_params or {}).get("obcache")
                     for n, o in zip(names, outs, strict=True)},  # fmt: skip
         "kept": llm.collective_rpc(kept_indices),
-        "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        # free, or held by compressed entries (given back whenever a request needs them)
+        "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        + scheduler.obcache_prefix.held_blocks,
         "pool_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
         "startup_s": round(ready - started, 1),
         "generate_s": round(done - ready, 1),

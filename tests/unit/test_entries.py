@@ -1,0 +1,62 @@
+"""The compressed-entry index and the held share (obcache_vllm.eviction.entries), on plain
+objects; the vLLM side is tests/engine/test_prefix_cache.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from obcache_vllm.config import ConfigError, entry_pool_share
+from obcache_vllm.eviction.entries import Entry, EntryIndex, EntryKey, HeldEntries, is_tag, tag
+
+
+def _entry(index: EntryIndex, tokens: int, options=("tova",), blocks=2) -> Entry:
+    key = EntryKey("compress_at", tokens, b"h%d" % tokens, (), options)
+    return Entry(key, index.new_id(), tuple(range(blocks)), (b"x",) * blocks, dead=0)
+
+
+def test_index_is_bounded_oldest_first_and_a_key_is_replaced():
+    index = EntryIndex(capacity=2)
+    a, b = _entry(index, 10), _entry(index, 20)
+    assert index.insert(a) == [] and index.insert(b) == []
+    index.get(a.key)  # a is now the most recently used
+    c = _entry(index, 30)
+    assert index.insert(c) == [b]
+    a2 = Entry(a.key, index.new_id(), (7,), (b"y",), dead=1)
+    assert index.insert(a2) == [a] and len(index) == 2
+
+
+def test_longest_valid_entry_wins_and_stale_ones_are_removed():
+    index = EntryIndex()
+    short, long = _entry(index, 10), _entry(index, 40)
+    other = _entry(index, 50, options=("snapkv",))
+    for e in (short, long, other):
+        index.insert(e)
+    keys = {e.key.tokens: e.key for e in (short, long)}
+    found, stale = index.longest("compress_at", ("tova",), 45, keys.get, lambda e: e is not long)
+    assert found is short and stale == [long] and long not in index
+    assert index.longest("compress_at", ("tova",), 9, keys.get, lambda e: True) == (None, [])
+
+
+def test_tags_never_look_like_token_hashes():
+    assert is_tag(tag(3, 1)) and tag(3, 1) != tag(1, 3) and not is_tag(b"\0" * 32)
+
+
+def test_held_share_releases_least_recently_used_first():
+    held = HeldEntries(limit=10)
+    assert held.hold(1, 4) == [] and held.hold(2, 4) == []
+    held.used(1)  # 2 is now the least recently used
+    assert held.hold(3, 4) == [2] and held.blocks == 8
+    assert held.hold(4, 11) is None  # larger than the whole share: not held
+    assert held.hold(3, 4) is None  # already held
+    assert held.oldest() == 1 and held.drop(1) and not held.drop(1)
+    assert held.blocks == 4 and 3 in held and len(held) == 1
+    assert HeldEntries(0).hold(1, 1) is None
+
+
+def test_entry_pool_share_from_the_environment():
+    assert entry_pool_share({}) == 0.25
+    assert entry_pool_share({"OBCACHE_ENTRY_POOL_SHARE": "0"}) == 0.0
+    assert entry_pool_share({"OBCACHE_ENTRY_POOL_SHARE": "0.5"}) == 0.5
+    for bad in ("1.5", "-0.1", "nan", "half"):
+        with pytest.raises(ConfigError, match="OBCACHE_ENTRY_POOL_SHARE"):
+            entry_pool_share({"OBCACHE_ENTRY_POOL_SHARE": bad})
