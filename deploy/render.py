@@ -141,9 +141,15 @@ PANELS: list[tuple[str, str, str, str, list[tuple[str, str]]]] = [
       (f"sum(rate(vllm:obcache_preserved_blocks_total{OSEL}{RATE}))", "preserved blocks")]),
     ("obcache: prefix cache and sessions", "Compressed entries created and evicted", "short",
      "vllm:obcache_compressed_entries_total per second by kind and event (created; evicted "
-     "under the pool's LRU, the index bound or a replacement).",
+     "under the pool's LRU, the index bound or a replacement; released: no longer held out of "
+     "the LRU).",
      [(f"sum by (kind, event) (rate(vllm:obcache_compressed_entries_total{OSEL}{RATE}))",
        "{{kind}} {{event}}")]),
+    ("obcache: prefix cache and sessions", "Blocks held for compressed contexts", "short",
+     "vllm:obcache_held_blocks: KV blocks compressed entries keep out of vLLM's LRU (at most "
+     "OBCACHE_ENTRY_POOL_SHARE of the pool; counted as used in vllm:kv_cache_usage_perc, given "
+     "up before a request is preempted for them).",
+     [(f"sum(vllm:obcache_held_blocks{OSEL})", "held blocks")]),
     ("obcache: compression under pressure", "Compressions under pressure", "short",
      "vllm:obcache_pressure_compressions_total (kv_when=pressure requests compressed because "
      "the pool was short), vllm:obcache_preemptions_avoided_total (steps whose shortfall "

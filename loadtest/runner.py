@@ -82,7 +82,7 @@ async def _wait_idle(
         try:
             snap = await scrape.scrape(session, base_url)
             if (
-                snap.unheld_kv_usage() < 1e-9
+                snap.unheld_kv_usage() == 0
                 and snap.value(scrape.RUNNING) == 0
                 and snap.value(scrape.WAITING) == 0
             ):

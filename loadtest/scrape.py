@@ -73,7 +73,8 @@ class Snapshot:
         sizes = [int(v) for v in sizes if v and v.isdigit()]
         if not sizes or sizes[0] <= 1:
             return usage
-        return max(0.0, usage - held / (sizes[0] - 1))  # vLLM's usage leaves out the null block
+        unheld = usage - held / (sizes[0] - 1)  # vLLM's usage leaves out the null block
+        return unheld if unheld > 1e-9 else 0.0  # vLLM computes 1 - free / total in floats
 
     def names(self) -> set[str]:
         """Every sample name of the scrape (``_total``, ``_bucket``... included)."""

@@ -128,8 +128,10 @@ def _serve(user_args: Sequence[str]) -> int:
         return _run_vllm_serve(list(user_args))
     user_args, policy_env = split_policy_args(user_args)
     os.environ.update(policy_env)
-    # The kv_* defaults (configs/default.yaml, OBCACHE_VLLM_CONFIG, OBCACHE_KV_*): fail fast.
+    # The kv_* defaults (configs/default.yaml, OBCACHE_VLLM_CONFIG, OBCACHE_KV_*) and the
+    # entries' held share (read again by EngineCore): fail fast, before vLLM starts.
     config.load_policy()
+    config.entry_pool_share()
     argv, uses_default = build_serve_argv(user_args, model.default_model_path())
     if uses_default:
         model.pull()

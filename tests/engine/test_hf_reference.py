@@ -64,16 +64,17 @@ class Combo:
 
 # Cost: one fp32 vLLM prefill per (combo, prompt), ~40 prefills of ~700 tokens; HF prefills each
 # prompt once (all queries kept) plus each context once. The issue asks for >= 20 prompts; the
-# main combo has 20, the others 6 each to keep the suite's time in check. Also matched in
+# main combo has 20, the others 4 each to keep the suite's time in check (with 4, the 90 %
+# agreement bound still needs every continuation identical, as it did with 6). Also matched in
 # session 1 with 20 prompts each: h2o+obcache_value (overlap 1.00000, 20/20) and tova+attn
 # (1.0000, 20/20).
 COMBOS = {
     "snapkv-obcache_key": Combo(
         {"kv_pipeline": "snapkv", "kv_scorer": "obcache_key", "kv_window": 32}, NUM_PROMPTS
     ),
-    "h2o-obcache_value": Combo({"kv_pipeline": "h2o", "kv_scorer": "obcache_value"}, 6),
+    "h2o-obcache_value": Combo({"kv_pipeline": "h2o", "kv_scorer": "obcache_value"}, 4),
     "compress_at-snapkv-obcache_joint": Combo(
-        {"kv_pipeline": "snapkv", "kv_scorer": "obcache_joint", "kv_window": 16}, 6, True
+        {"kv_pipeline": "snapkv", "kv_scorer": "obcache_joint", "kv_window": 16}, 4, True
     ),
 }
 

@@ -63,12 +63,13 @@ def _counters(m: Metrics, scorer: str, pipeline: str) -> tuple[float, float, flo
 
 
 def _idle(server: Server) -> Metrics | None:
-    """/metrics once nothing runs and no block is held (None if that does not happen)."""
+    """/metrics once nothing runs and no request holds a block (None if that does not happen;
+    blocks held for compressed contexts are no request's: Snapshot.unheld_kv_usage)."""
 
     def check():
         m = server.metrics()
         running = m.value("vllm:num_requests_running") + m.value("vllm:num_requests_waiting")
-        return m if running == 0 and m.value("vllm:kv_cache_usage_perc") == 0 else None
+        return m if running == 0 and m.unheld_kv_usage() == 0 else None
 
     return _eventually(check, timeout_s=60)
 
@@ -253,7 +254,7 @@ def test_bad_kv_option_is_400_naming_the_field(server: Server, fields, field, en
     after = server.metrics()
     assert after.value(M.REJECTED_REQUESTS.exposed, field=field) == before + 1
     assert after.value("vllm:num_requests_running") == 0
-    assert after.value("vllm:kv_cache_usage_perc") == 0
+    assert after.unheld_kv_usage() == 0
 
 
 def test_bad_option_on_a_stream_is_400_before_streaming(server: Server) -> None:
@@ -353,7 +354,7 @@ def _usage_while_generating(server: Server, extra_body: dict) -> float:
         if chunk.choices and chunk.choices[0].delta.content:
             seen += 1
         if seen >= 3:
-            usage = server.metrics().value("vllm:kv_cache_usage_perc")
+            usage = server.metrics().unheld_kv_usage()  # this request's blocks
             break
     stream.close()  # the client goes away mid-stream
     assert usage is not None

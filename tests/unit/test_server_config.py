@@ -84,14 +84,17 @@ def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
         config.load_defaults({config.CONFIG_ENV: str(tmp_path / "absent.yaml")})
 
 
-def test_serve_refuses_to_start_on_invalid_defaults(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+@pytest.mark.parametrize(
+    ("variable", "value"), [("OBCACHE_KV_SCORER", "magic"), ("OBCACHE_ENTRY_POOL_SHARE", "2")]
+)
+def test_serve_refuses_to_start_on_invalid_settings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, variable: str, value: str
 ) -> None:
-    monkeypatch.setenv("OBCACHE_KV_SCORER", "magic")
+    monkeypatch.setenv(variable, value)
     monkeypatch.setattr(cli, "_run_vllm_serve", lambda argv: pytest.fail("must not start"))
     assert cli.main(["serve"]) == 1
     err = capsys.readouterr().err
-    assert "OBCACHE_KV_SCORER" in err and "magic" in err
+    assert variable in err and value in err
 
 
 DEFAULTS = dict(config.BUILTIN_DEFAULTS)
