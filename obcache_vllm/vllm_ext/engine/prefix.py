@@ -295,8 +295,11 @@ class PrefixAdapter:
 
     @property
     def held_blocks(self) -> int:
-        """Blocks that compressed entries keep out of the LRU (not free, held by no request)."""
-        return self.held.blocks
+        """Distinct blocks that compressed entries keep out of the LRU (not free, and held by
+        no request once none runs). Two session entries may share blocks (a turn's entry keeps
+        the blocks of the one it adopted that it did not rewrite): counted once here, once per
+        entry against the share (:class:`HeldEntries`: conservative)."""
+        return len({b.block_id for _, blocks in self._held_blocks.values() for b in blocks})
 
     def reclaim(self, request) -> bool:
         """An allocation for ``request`` failed: release the least recently used held entry if

@@ -42,7 +42,7 @@ class EngineReporter:
                  held=None) -> None:  # fmt: skip
         self.ledger = ledger
         self.prefix_counts = prefix_counts
-        self.held = held  # HeldEntries (blocks held for compressed entries)
+        self.held = held  # () -> blocks held for compressed entries (PrefixAdapter.held_blocks)
         self.pressure = pressure  # PressureCounts
         self.pool = pool  # PoolAdapter (admissions under pressure)
         # Drained by make_stats: eviction seconds per step, finished requests.
@@ -100,7 +100,7 @@ class EngineReporter:
                 "seconds": seconds,
                 "finished": finished,
                 "prefix": [[k, w, n] for (k, w), n in self.prefix_counts.items()],
-                "held_blocks": self.held.blocks if self.held is not None else 0,
+                "held_blocks": self.held() if self.held is not None else 0,
                 "pressure": [
                     self.pressure.compressions,
                     self.pressure.preemptions_avoided,

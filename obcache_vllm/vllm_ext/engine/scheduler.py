@@ -64,7 +64,7 @@ class OBCacheScheduler(Scheduler):
             self.obcache_prefix.counts,
             self.obcache_pressure.counts,
             self.obcache_pool,
-            self.obcache_prefix.held,
+            lambda: self.obcache_prefix.held_blocks,
         )
         # Requests refused at add_request (no usable admitted options), and requests finished
         # with an error whose outputs the next update_from_output reports.
