@@ -7,7 +7,7 @@ engine and label set, so a total repeated over many steps is counted once.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from obcache_vllm.vllm_ext.frontend.stats import OBCachePrometheusStatLogger
 
@@ -25,6 +25,8 @@ def _logger(registry: CollectorRegistry) -> OBCachePrometheusStatLogger:
     log.obcache_entries = Counter("entries", "", ["kind", "event"], registry=registry)
     log.obcache_reused = Counter("reused", "", ["kind"], registry=registry)
     log.obcache_preserved = Counter("preserved", "", registry=registry)
+    log.obcache_held = Gauge("held", "", registry=registry)
+    log._obcache_held = {}
     log.obcache_pressure = [Counter(n, "", registry=registry)
                             for n in ("compressions", "avoided", "admissions")]  # fmt: skip
     for name in ("obcache_seconds", "obcache_resident", "obcache_kept_ratio"):
@@ -41,12 +43,14 @@ def test_cumulative_totals_are_counted_once_per_engine_and_label_set() -> None:
     registry = CollectorRegistry()
     log = _logger(registry)
     first = {"by_option": [["obcache_key", "tova", 10, 2, 1]],
-             "failures": [["score", "injected", 1]], "compressed_preemptions": 1}
+             "failures": [["score", "injected", 1]], "compressed_preemptions": 1,
+             "held_blocks": 6}
     later = {"by_option": [["obcache_key", "tova", 30, 5, 2], ["attn", "h2o", 4, 1, 1]],
              "failures": [["score", "injected", 1]], "compressed_preemptions": 3,
              "prefix": [["session", "hit", 2], ["session", "miss", 1], ["session", "created", 3],
-                        ["session", "reused_tokens", 900], ["stock", "preserved", 5]],
-             "pressure": [4, 2, 1]}  # fmt: skip
+                        ["session", "reused_tokens", 900], ["stock", "preserved", 5],
+                        ["compress_at", "released", 2]],
+             "pressure": [4, 2, 1], "held_blocks": 4}  # fmt: skip
     for payload in (first, first, later, later):  # totals repeat across steps
         log._record_obcache(payload, engine_idx=0)
     log._record_obcache(first, engine_idx=1)  # another engine's totals are its own
@@ -62,4 +66,6 @@ def test_cumulative_totals_are_counted_once_per_engine_and_label_set() -> None:
     assert _value(registry, "entries", kind="session", event="created") == 3
     assert _value(registry, "reused", kind="session") == 900
     assert _value(registry, "preserved") == 5
+    assert _value(registry, "entries", kind="compress_at", event="released") == 2
+    assert registry.get_sample_value("held") == 4 + 6  # a gauge: each engine's latest, summed
     assert [_value(registry, n) for n in ("compressions", "avoided", "admissions")] == [4, 2, 1]

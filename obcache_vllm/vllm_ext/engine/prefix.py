@@ -57,7 +57,7 @@ def _cdiv(a: int, b: int) -> int:
 class PrefixAdapter:
     """One scheduler's view of vLLM's prefix cache for budgeted requests."""
 
-    def __init__(self, scheduler, pool_adapter, capacity: int = 256, share: float | None = None):
+    def __init__(self, scheduler, pool_adapter, capacity: int = 256) -> None:
         self.scheduler = scheduler
         self.manager = scheduler.kv_cache_manager
         self.pool = self.manager.block_pool
@@ -67,8 +67,7 @@ class PrefixAdapter:
             self.pool.hash_block_size == self.block_size
         )
         self.entries = EntryIndex(capacity)
-        share = entry_pool_share() if share is None else share
-        self.held = HeldEntries(int(share * (self.pool.num_gpu_blocks - 1)))
+        self.held = HeldEntries(int(entry_pool_share() * (self.pool.num_gpu_blocks - 1)))
         self._held_blocks: dict[int, list] = {}  # entry id -> the blocks it holds a ref on
         # Cumulative counters for metrics: (kind, what) -> count, what in hit, miss, created,
         # evicted, released, reused_tokens (kind "stock": preserved blocks).
