@@ -12,9 +12,12 @@ start from it instead of recomputing and compressing it again:
   the last sampled token has no KV), taken over when it finishes. A later request whose
   prompt starts with exactly those tokens continues from it (:mod:`obcache_vllm.options`).
 
-An entry never mixes donors: it is one request's blocks. It is keyed by the exact tokens
-(:class:`EntryKey`: vLLM's chained block hash of the full blocks, then the remaining token
-ids), the options that shaped it and the cache salt / LoRA. Its blocks live in vLLM's pool as
+An entry holds one donor's KV: a ``compress_at`` entry is a copy of its donor's blocks; a
+session entry is its donor's own blocks, some of which (those the turn did not rewrite) may be
+blocks its ancestor's entry lists too, under the ancestor's tags (releasing the ancestor leaves
+those tags in place). It is keyed by the exact tokens (:class:`EntryKey`: vLLM's chained block
+hash of the full blocks, then the remaining token ids, and the multimodal inputs that start in
+them), the options that shaped it and the cache salt / LoRA. Its blocks live in vLLM's pool as
 cached blocks, each tagged with a hash of its own (:func:`tag`, never a token hash). Within a
 share of the pool an entry is *held* (:class:`HeldEntries`: a reference on each block, so the
 LRU cannot reuse them; given up whenever a request needs the blocks); otherwise its blocks are
@@ -47,7 +50,10 @@ class EntryKey:
     """Everything a request must share with an entry to adopt it.
 
     ``prefix_hash`` is vLLM's chained hash of the full blocks of the entry's tokens (it
-    includes the cache salt and the LoRA adapter); ``tail`` the token ids after them.
+    includes the cache salt, the LoRA adapter and the multimodal inputs of those blocks);
+    ``tail`` the token ids after them; ``mm`` the identifiers of every multimodal input that
+    starts in the entry's tokens (the tail's placeholder tokens alone do not tell two images
+    apart).
     """
 
     kind: str
@@ -57,6 +63,7 @@ class EntryKey:
     options: tuple
     salt: str | None = None
     lora: str | None = None
+    mm: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,9 @@ class Entry:
 
     ``hashes[i]`` is the hash block ``block_ids[i]`` must still carry (its :func:`tag`, or
     the token hash of a stock block a session kept uncompressed). ``depth`` counts the
-    session turns behind a session entry (1 for a first turn).
+    session turns behind a session entry (1 for a first turn). ``donor`` is the request
+    whose KV it holds and ``source_ids`` the donor's blocks it was made from (the KV oracle,
+    :mod:`obcache_vllm.eviction.oracle`, compares the three).
     """
 
     key: EntryKey
@@ -75,6 +84,8 @@ class Entry:
     dead: int
     depth: int = 1
     kept_prompt: int | None = None
+    donor: str | None = None
+    source_ids: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:

@@ -58,7 +58,8 @@ class CacheStart:
     ``kind``: ``"hit"`` (an ordinary prefix-cache hit of ``tokens`` stock tokens), or the
     kind of a compressed entry it adopted (``"compress_at"``, ``"session"``: ``tokens``
     logical tokens, ``dead`` head blocks null, ``kept_prompt`` of its tokens kept by its
-    eviction, ``depth`` session turns behind it).
+    eviction, ``depth`` session turns behind it, ``entry_id`` and ``donor``: the entry and
+    the request whose KV it holds).
     """
 
     kind: str
@@ -66,6 +67,8 @@ class CacheStart:
     dead: int = 0
     depth: int = 0
     kept_prompt: int | None = None
+    entry_id: int | None = None
+    donor: str | None = None
 
     @property
     def compressed(self) -> bool:
@@ -96,6 +99,9 @@ class RequestBlocks:
     # it ran; "admission": its prompt fit only compressed, evicted while prefilled), or None.
     pressure: str | None = None
     pressure_at: int | None = None
+    # What the last prefix lookup found, until the request is admitted: (entry kind, tokens
+    # adopted or None for a miss); counted once per admission, not per lookup.
+    lookup: tuple[str, int | None] | None = None
 
     @property
     def on_pressure(self) -> bool:
@@ -282,6 +288,14 @@ class RequestBlocks:
         self.start = None
         if self.pressure == "running":  # recomputed: as stock again until the pool is short
             self.pressure = self.pressure_at = None
+
+    def unadopt(self) -> None:
+        """Forget an adoption whose allocation failed (vLLM looks the request up again)."""
+        if self.start is not None:
+            self.dead = 0
+            self.past_point = False
+            self.kept_prompt = None
+            self.start = None
 
     def adopt(self, start: CacheStart) -> None:
         """The request's cache starts from ``start`` (set at admission)."""

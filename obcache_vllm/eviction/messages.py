@@ -80,9 +80,12 @@ class EvictionReport:
     ``states`` holds the cumulative state of every budgeted request of the step, so the
     scheduler can reconcile even after a lost report (it frees the dead blocks it has not freed
     yet). ``applied``: the requests whose order of this step every attention layer applied.
+    ``mismatches``: what the KV oracle found this step (verification mode only,
+    :class:`obcache_vllm.eviction.oracle.KvMismatch`).
     """
 
     applied: tuple[str, ...]
     seconds: float
     states: dict[str, RowState] = field(default_factory=dict)
     failures: tuple[RowFailure, ...] = ()
+    mismatches: tuple = ()

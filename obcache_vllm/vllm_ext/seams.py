@@ -76,6 +76,11 @@ SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("self", "blocks", "num_computed_tokens")),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager.create_kv_cache_blocks", ("self", "blocks")),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager.reset_prefix_cache", ("self",)),
+    # A step's copies are drained here (chains resolved: engine/blocks.py) and run by the
+    # worker as one gather then one scatter, which is why a chain would read stale KV.
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.take_kv_cache_block_copies", ("self",)),
+    ("vllm.v1.worker.utils", "copy_kv_cache_blocks_inplace",
+     ("kv_caches", "num_blocks", "kv_cache_block_copies")),
     ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager._apply_cow",
      ("self", "request_id", "block_idx", "source_block", "cow_block")),
     ("vllm.v1.core.block_pool", "BlockPool._insert_block_hash",
@@ -384,19 +389,24 @@ STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "vllm.v1.request",
         "Request",
         ("num_computed_tokens", "num_in_flight_tokens", "is_prefill_chunk", "num_prompt_tokens",
-         "block_hashes", "cache_salt", "lora_request", "skip_reading_prefix_cache"),
+         "block_hashes", "cache_salt", "lora_request", "skip_reading_prefix_cache",
+         "mm_features"),
     ),
     (
         "vllm.v1.core.single_type_kv_cache_manager",
         "SingleTypeKVCacheManager",
-        ("req_to_blocks", "_pending_cow_copies", "new_block_ids", "block_size"),
+        ("req_to_blocks", "_pending_cow_copies", "new_block_ids", "block_size",
+         "num_cached_block"),
     ),
     ("vllm.v1.core.block_pool", "BlockPool", ("blocks", "null_block", "hash_block_size",
                                                "cached_block_hash_to_block")),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager", ("enable_caching", "block_pool",
                                                          "empty_kv_cache_blocks")),
     ("vllm.v1.core.sched.output", "SchedulerOutput", ("scheduled_new_reqs",
-                                                      "scheduled_cached_reqs")),
+                                                      "scheduled_cached_reqs",
+                                                      "kv_cache_block_copies")),
+    # The KV oracle (worker/runner.py): each request's block list and computed tokens.
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", ("block_ids", "num_computed_tokens")),
 )
 
 # The module whose presence means "this process serves vLLM's OpenAI API" (imported by the

@@ -9,6 +9,8 @@ attribute                                       what
 ``SchedulerOutput.obcache_disabled``            requests whose eviction the scheduler stopped
 ``SchedulerOutput.obcache_starts``              ``{req_id: dead}``: a new or resumed request
                                                 whose cache starts from a compressed entry
+``SchedulerOutput.obcache_verify``              the KV oracle's checks of the step (entries
+                                                made, adoptions; verification mode only)
 ``ModelRunnerOutput.obcache_report``            the worker's :class:`EvictionReport`
 ``EngineCoreOutput.kv_transfer_params``         ``{"obcache": outcome}`` of a budgeted request
 ``SchedulerStats.obcache``                      the engine's eviction counters (a field added
@@ -36,6 +38,8 @@ REPORT_ATTR = "obcache_report"
 DISABLED_ATTR = "obcache_disabled"
 # On SchedulerOutput: dead head blocks of requests that start from a compressed entry.
 STARTS_ATTR = "obcache_starts"
+# On SchedulerOutput, in verification mode only: the KV oracle's VerifyNote of the step.
+VERIFY_ATTR = "obcache_verify"
 # EngineCoreOutput.kv_transfer_params key carrying a budgeted request's KV outcome to the
 # front-end, and the SchedulerStats field carrying the eviction counters (see vllm_ext).
 OUTCOME_KEY = "obcache"

@@ -17,6 +17,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OBCACHE_VLLM_RECORD_KEEP", "1")
 # Requests may ask for a fault in eviction (test_faults.py; obcache_vllm/eviction/faults.py).
 os.environ.setdefault("OBCACHE_VLLM_FAULTS", "1")
+# The KV oracle (obcache_vllm/eviction/oracle.py) checks every reuse of KV in every engine test
+# (see the autouse fixture `kv_oracle` below).
+os.environ.setdefault("OBCACHE_VLLM_VERIFY", "1")
 # One core per engine. On this 2-core machine an engine bound to both cores slows to ~1.4 s per
 # decode token as soon as another process runs (every OpenMP barrier waits for a descheduled
 # thread), against ~0.08 s on one core. The stock reference subprocess binds the other core.
@@ -56,6 +59,20 @@ def llm(engine_kwargs: dict) -> Iterator[object]:
     core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def kv_oracle(request):
+    """Every engine test that uses the shared engine also passes the KV oracle: no reuse of KV
+    between requests (entries, adoptions, copies) read anything but what its donor left."""
+    if "llm" not in request.fixturenames:
+        yield
+        return
+    scheduler = Internals(request.getfixturevalue("llm")).scheduler
+    seen = len(scheduler.obcache_mismatches)
+    yield
+    found = list(scheduler.obcache_mismatches)[seen:]
+    assert not found, f"KV oracle mismatches: {found}"
 
 
 @pytest.fixture(scope="session")

@@ -102,6 +102,9 @@ def running_server(
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Test servers honour vllm_xargs {"obcache_fault": ...} (obcache_vllm/eviction/faults.py).
     env.setdefault("OBCACHE_VLLM_FAULTS", "1")
+    # The KV oracle checks every reuse of KV between requests; a mismatch is a counted fault
+    # (stage="verify"), which the tests that share state read back from the metrics.
+    env.setdefault("OBCACHE_VLLM_VERIFY", "1")
     for key, value in (env_overrides or {}).items():
         if value is None:
             env.pop(key, None)

@@ -16,7 +16,17 @@ each decided by the request's :class:`~obcache_vllm.eviction.ledger.RequestBlock
   (``SingleTypeKVCacheManager._remove_blocks_in_range``: null blocks in place, ref counts
   decremented, so a block another request shares stays with it);
 * writability: a block that receives kept tokens must be the request's alone and unhashed
-  (``BlockPool.is_block_writable``).
+  (``BlockPool.is_block_writable``);
+* blocks in flight: a block registered in the prefix cache during this ``schedule()`` holds
+  KV only after this step's forward pass. vLLM reads such blocks in the same forward pass
+  (safe: each layer writes before it attends), but a copy runs *before* the forward pass, so
+  a copy-on-write from one would copy garbage (:attr:`PoolAdapter.in_flight`, used by the
+  prefix adapter to trim a budgeted request's hit);
+* copy batches: vLLM runs a step's block copies as one gather then one scatter
+  (``copy_kv_cache_blocks_inplace``: ``blocks[dst] = blocks[src]``), so a copy whose source
+  is another copy's destination in the same batch would read the old contents.
+  :meth:`PoolAdapter.take_kv_cache_block_copies` rewrites such chains to read the first
+  source (``KVCacheManager.take_kv_cache_block_copies``).
 
 vLLM builds its ``KVCacheManager`` inside ``Scheduler.__init__``, so the two wrappers are
 installed on that instance (each a pinned seam in :mod:`obcache_vllm.vllm_ext.seams`).
@@ -24,6 +34,7 @@ installed on that instance (each a pinned seam in :mod:`obcache_vllm.vllm_ext.se
 
 from __future__ import annotations
 
+from obcache_vllm.eviction.copies import resolve_copy_chains
 from obcache_vllm.eviction.ledger import BlockLedger
 from obcache_vllm.eviction.messages import EvictionOrder
 
@@ -49,10 +60,23 @@ class PoolAdapter:
         # Set by the prefix adapter: releases a held compressed entry for a request whose
         # allocation failed (PrefixAdapter.reclaim); None without prefix caching.
         self.reclaim = None
+        # Set by the prefix adapter: called when vLLM takes the queued copies (they run with
+        # the step being scheduled).
+        self.copies_taken = None
+        # Block ids registered in the prefix cache during the current schedule() (their KV is
+        # written by this step's forward pass); cleared by new_step().
+        self.in_flight: set[int] = set()
         self._cache_blocks = coordinator.cache_blocks
         self._allocate_slots = kv_cache_manager.allocate_slots
+        self._take_copies = kv_cache_manager.take_kv_cache_block_copies
         coordinator.cache_blocks = self.cache_blocks
         kv_cache_manager.allocate_slots = self.allocate_slots
+        kv_cache_manager.take_kv_cache_block_copies = self.take_kv_cache_block_copies
+
+    def new_step(self) -> None:
+        """A schedule() begins: blocks registered before it hold their KV (synchronous
+        scheduling: the previous step's forward pass has run)."""
+        self.in_flight.clear()
 
     # -- registration ------------------------------------------------------------------------
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
@@ -62,7 +86,24 @@ class PoolAdapter:
             num_computed_tokens = blocks.registrable(num_computed_tokens)
             if num_computed_tokens < self.group.block_size:
                 return
+        req_id = request.request_id
+        before = self.group.num_cached_block.get(req_id, 0)
         self._cache_blocks(request, num_computed_tokens)
+        after = self.group.num_cached_block.get(req_id, 0)
+        if after > before:  # registered now, computed by this step's forward pass (or earlier)
+            req_blocks = self.group.req_to_blocks.get(req_id, ())
+            self.in_flight.update(b.block_id for b in req_blocks[before:after] if not b.is_null)
+
+    # -- the step's block copies ---------------------------------------------------------------
+    def take_kv_cache_block_copies(self):
+        """``KVCacheManager.take_kv_cache_block_copies`` with chains resolved: a copy whose
+        source is an earlier copy's destination in the same batch reads that copy's source
+        instead (what the destination will hold once the batch has run). The retained
+        blocks (both ends of every pair, released by vLLM after the copy) are unchanged."""
+        copies, retained = self._take_copies()
+        if self.copies_taken is not None:
+            self.copies_taken()
+        return resolve_copy_chains(copies), retained
 
     # -- admission ---------------------------------------------------------------------------
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
@@ -135,3 +176,4 @@ class PoolAdapter:
                     f"request {req_id}: block {block.block_id} is shared or cached; "
                     "refusing to compact into it"
                 )
+

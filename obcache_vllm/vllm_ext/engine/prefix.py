@@ -16,7 +16,9 @@ objects):
   (vLLM's block-copy queue, run by the worker before the next forward pass; both ends are
   held until then); a ``kv_session`` request's final cache is taken over when it finishes. A
   later request with the same tokens, options and cache salt adopts an entry as a prefix hit
-  ``[null] * dead + live`` (vLLM copies a partial last block itself). Entries are held out
+  ``[null] * dead + live`` (vLLM copies a partial last block itself; a copy chained on the
+  entry's own pending copy is resolved by :meth:`.blocks.PoolAdapter.take_kv_cache_block_copies`).
+  Entries are held out
   of the LRU within ``OBCACHE_ENTRY_POOL_SHARE`` of the pool (one reference per block,
   :class:`~obcache_vllm.eviction.entries.HeldEntries`) and given up, least recently adopted
   first, when an allocation fails for a running request (before vLLM preempts) or for a
@@ -61,6 +63,7 @@ class PrefixAdapter:
         self.scheduler = scheduler
         self.manager = scheduler.kv_cache_manager
         self.pool = self.manager.block_pool
+        self.pool_adapter = pool_adapter
         self.group = pool_adapter.group
         self.block_size = pool_adapter.group.block_size
         self.enabled = bool(self.manager.enable_caching) and (
@@ -69,12 +72,19 @@ class PrefixAdapter:
         self.entries = EntryIndex(capacity)
         self.held = HeldEntries(int(entry_pool_share() * (self.pool.num_gpu_blocks - 1)))
         self._held_blocks: dict[int, list] = {}  # entry id -> the blocks it holds a ref on
+        # Destination block id -> its entry, for entry copies queued and not yet taken by
+        # vLLM's schedule() (between two steps; see drop_pending_copies).
+        self._copying: dict[int, Entry] = {}
+        # Entries made since the last take_made() (kept only for the KV oracle).
+        self.record_made = False
+        self._made: list[Entry] = []
         # Cumulative counters for metrics: (kind, what) -> count, what in hit, miss, created,
         # evicted, released, reused_tokens (kind "stock": preserved blocks).
         self.counts: dict[tuple[str, str], int] = {}
         if self.enabled:
             _filter_entry_events(self.pool)
             pool_adapter.reclaim = self.reclaim
+            pool_adapter.copies_taken = self._copying.clear
             manager, index = self.manager, self
 
             reset = manager.reset_prefix_cache
@@ -82,6 +92,7 @@ class PrefixAdapter:
             @functools.wraps(reset)
             def reset_prefix_cache():
                 index.release_all()  # vLLM resets only a pool that no one holds
+                index.drop_pending_copies()  # nor one with copies queued between two steps
                 done = reset()
                 if done:
                     index.entries.clear()  # vLLM removed every hash, tags included
@@ -98,6 +109,13 @@ class PrefixAdapter:
         full = tokens // self.block_size
         prefix = bytes(request.block_hashes[full - 1]) if full else None
         lora = request.lora_request.name if request.lora_request else None
+        # vLLM's chained hash covers multimodal inputs in full blocks only: the tail's tokens
+        # may be placeholders of any image, so every input that starts in the prefix counts.
+        mm = tuple(
+            f.identifier
+            for f in getattr(request, "mm_features", None) or ()
+            if f.mm_position.offset < tokens
+        )
         return EntryKey(
             kind=kind,
             tokens=tokens,
@@ -106,6 +124,7 @@ class PrefixAdapter:
             options=blocks.entry_options(kind),
             salt=request.cache_salt,
             lora=lora,
+            mm=mm,
         )
 
     def valid(self, entry: Entry) -> bool:
@@ -118,8 +137,14 @@ class PrefixAdapter:
     # -- reads -------------------------------------------------------------------------------
     def lookup(self, request, blocks: RequestBlocks, ordinary):
         """The prefix hit of a budgeted request: an entry to adopt, or the exact part of
-        vLLM's ordinary hit (``ordinary()``: the stock lookup). Returns vLLM's tuple."""
+        vLLM's ordinary hit (``ordinary()``: the stock lookup). Returns vLLM's tuple.
+
+        Without side effects that outlive a failed allocation: vLLM calls this again for a
+        request it could not admit, so every call starts from a request that adopted nothing
+        (:meth:`RequestBlocks.unadopt`), and what it found is counted only once the request
+        is admitted (:meth:`admitted`)."""
         empty = (self.manager.empty_kv_cache_blocks, 0, 0, False)
+        blocks.unadopt()
         if not self.enabled or not blocks.may_read:
             return empty
         kind = blocks.entry_kind
@@ -130,7 +155,7 @@ class PrefixAdapter:
         if not blocks.reads_cache:
             return empty
         computed, num_local, boundary, diverged = ordinary()
-        allowed = blocks.exact_hit(num_local)
+        allowed = self._written(computed.blocks[GROUP], blocks, blocks.exact_hit(num_local))
         if allowed < num_local:
             computed = self.manager.truncate_computed_blocks(computed, allowed)
             num_local = allowed
@@ -138,19 +163,44 @@ class PrefixAdapter:
             blocks.adopt(CacheStart("hit", num_local))
         return computed, num_local, boundary if num_local else 0, diverged and bool(num_local)
 
+    def _written(self, hit_blocks, blocks: RequestBlocks, allowed: int) -> int:
+        """``allowed`` hit tokens, trimmed before the first block the request would copy
+        (:meth:`RequestBlocks.copy_on_write`) whose KV this very step computes: the copy
+        runs before the forward pass (see :mod:`obcache_vllm.eviction.copies`). The request
+        computes those tokens itself, as it would without the prefix cache."""
+        in_flight = self.pool_adapter.in_flight
+        if not in_flight:
+            return allowed
+        for index in blocks.copy_on_write(allowed // self.block_size):
+            if hit_blocks[index].block_id in in_flight:
+                return index * self.block_size
+        return allowed
+
+    def admitted(self, blocks: RequestBlocks) -> None:
+        """The request was admitted (its allocation succeeded): count what its lookup found."""
+        found, blocks.lookup = blocks.lookup, None
+        if found is None:
+            return
+        kind, hit = found
+        if hit is None:
+            self.count(kind, "miss")
+        else:
+            self.count(kind, "hit")
+            self.count(kind, "reused_tokens", hit)
+
     def _adopt(self, request, blocks: RequestBlocks, kind: str):
         at_most = request.num_tokens - 1  # vLLM recomputes at least the last token
         entry, stale = self._longest(request, blocks, kind, at_most)
         self._release(stale, evicted=True)
         if entry is None:
-            self.count(kind, "miss")
+            blocks.lookup = (kind, None)
             return None
-        self.count(kind, "hit")
-        self.count(kind, "reused_tokens", entry.tokens)
+        blocks.lookup = (kind, entry.tokens)
         self.held.used(entry.entry_id)
         hit = [self.pool.null_block] * entry.dead + [self.pool.blocks[b] for b in entry.block_ids]
         blocks.adopt(CacheStart(kind, entry.tokens, entry.dead, depth=entry.depth,
-                                kept_prompt=entry.kept_prompt))  # fmt: skip
+                                kept_prompt=entry.kept_prompt, entry_id=entry.entry_id,
+                                donor=entry.donor))  # fmt: skip
         computed = self.manager.create_kv_cache_blocks((hit,))
         return computed, entry.tokens, 0, False
 
@@ -230,9 +280,31 @@ class PrefixAdapter:
             hashes=tuple(hashes),
             dead=blocks.dead,
             kept_prompt=tokens - blocks.dead * self.block_size,
+            donor=request.request_id,
+            source_ids=tuple(b.block_id for b in src),
         )
+        for block in dst:
+            self._copying[block.block_id] = entry
         self._insert(entry, dst)
         return entry
+
+    def drop_pending_copies(self) -> None:
+        """Entries whose copies are still queued (made after the last step, copied by the
+        next) are dropped with their copies, and both ends of each copy released: vLLM
+        drains its own copies within one ``schedule()``, so between two steps only ours can
+        keep references (which would fail ``reset_prefix_cache``)."""
+        if not self._copying:
+            return
+        keep, dropped = [], []
+        for pair in self.group._pending_cow_copies:
+            (dropped if pair[1].block_id in self._copying else keep).append(pair)
+        entries = {self._copying[dst.block_id] for _, dst in dropped}
+        self._copying.clear()
+        self.group._pending_cow_copies = keep
+        for entry in entries:
+            self.entries.remove(entry)
+        self._release(entries, evicted=False)
+        self.pool.free_blocks([block for pair in dropped for block in pair])
 
     def donate_blocks(self, request, blocks: RequestBlocks) -> Entry | None:
         """A ``kv_session`` request finished: its final cache becomes an entry (its blocks are
@@ -262,11 +334,25 @@ class PrefixAdapter:
             dead=blocks.dead,
             depth=depth,
             kept_prompt=tokens - blocks.dead * self.block_size,
+            donor=request.request_id,
+            source_ids=tuple(b.block_id for b in live),
         )
         self._insert(entry, live)
+        parent = blocks.start.entry_id if blocks.start and blocks.start.compressed else None
+        if parent is not None and entry.entry_id in self.held:
+            # The turn continues its parent: the new entry holds every block the two share,
+            # so the parent's hold passes to it rather than competing for the share.
+            self._unhold(parent, counted=False)
         return entry
 
+    def take_made(self) -> list[Entry]:
+        """The entries made since the last call (recorded only with ``record_made``)."""
+        made, self._made = self._made, []
+        return made
+
     def _insert(self, entry: Entry, blocks) -> None:
+        if self.record_made:
+            self._made.append(entry)
         self.count(entry.key.kind, "created")
         self._release(self.entries.insert(entry), evicted=True)
         self._hold(entry, blocks)
@@ -281,6 +367,18 @@ class PrefixAdapter:
             self._unhold(entry_id)
         self.pool.touch(blocks)
         self._held_blocks[entry.entry_id] = (entry.key.kind, list(blocks))
+
+    @property
+    def reclaimable_blocks(self) -> int:
+        """Held blocks that releasing holds would return to the pool: those no request
+        references (a running adopter keeps its entry's blocks whatever the hold)."""
+        holds: dict[int, int] = {}
+        blocks = {}
+        for _, held in self._held_blocks.values():
+            for block in held:
+                holds[block.block_id] = holds.get(block.block_id, 0) + 1
+                blocks[block.block_id] = block
+        return sum(1 for b, n in holds.items() if blocks[b].ref_cnt <= n)
 
     def _unhold(self, entry_id: int, *, counted: bool = True) -> None:
         """Drop the entry's references: its blocks are free, cached, and still the entry's
@@ -321,7 +419,17 @@ class PrefixAdapter:
             self._unhold(entry_id, counted=False)
 
     def _release(self, entries, *, evicted: bool) -> None:
-        """Drop the tags of entries that are gone (their blocks become plain free blocks)."""
+        """Drop the tags of entries that are gone (their blocks become plain free blocks),
+        except on blocks a live entry still lists: a session turn's entry keeps its
+        ancestors' blocks it did not rewrite, under their tags."""
+        entries = list(entries)
+        if not entries:
+            return
+        shared = {
+            (b, h)
+            for live in self.entries
+            for b, h in zip(live.block_ids, live.hashes, strict=True)
+        }
         for entry in entries:
             self._unhold(entry.entry_id, counted=False)
             if evicted:
@@ -329,7 +437,7 @@ class PrefixAdapter:
             ids = {
                 b
                 for b, h in zip(entry.block_ids, entry.hashes, strict=True)
-                if is_tag(h) and self.pool.blocks[b].block_hash == h
+                if is_tag(h) and self.pool.blocks[b].block_hash == h and (b, h) not in shared
             }
             if ids:
                 self.pool.evict_blocks(ids)

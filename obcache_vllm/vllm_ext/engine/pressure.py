@@ -89,7 +89,7 @@ class PressurePlanner:
         free = self.pool.pool.get_num_free_blocks() + freed
         # Blocks held for compressed contexts are given up before a running request is
         # preempted (PrefixAdapter.reclaim), not for a waiting one while others run.
-        held = self.scheduler.obcache_prefix.held_blocks
+        held = self.scheduler.obcache_prefix.reclaimable_blocks
         short_running = need_running - free - held
         short = max(0, short_running) + max(0, self._waiting_need() - max(0, free - need_running))
         if short <= 0:

@@ -28,6 +28,8 @@ What reaches the API server (``usage.obcache``, metrics) is assembled by :mod:`.
 from __future__ import annotations
 
 import logging
+import os
+from collections import deque
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -36,12 +38,19 @@ from vllm.v1.request import RequestStatus
 from obcache_vllm.eviction.faults import InjectedFault
 from obcache_vllm.eviction.ledger import BlockLedger, RequestBlocks
 from obcache_vllm.eviction.messages import EvictionOrder
+from obcache_vllm.eviction.oracle import VERIFY_ENV, AdoptNote, EntryNote, VerifyNote
 from obcache_vllm.options import WireError, admitted_options
 from obcache_vllm.vllm_ext.engine.blocks import PoolAdapter
 from obcache_vllm.vllm_ext.engine.prefix import PrefixAdapter
 from obcache_vllm.vllm_ext.engine.pressure import PressurePlanner
 from obcache_vllm.vllm_ext.engine.reporting import EngineReporter, log_fault
-from obcache_vllm.vllm_ext.wire import DISABLED_ATTR, ORDERS_ATTR, REPORT_ATTR, STARTS_ATTR
+from obcache_vllm.vllm_ext.wire import (
+    DISABLED_ATTR,
+    ORDERS_ATTR,
+    REPORT_ATTR,
+    STARTS_ATTR,
+    VERIFY_ATTR,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +79,12 @@ class OBCacheScheduler(Scheduler):
         # with an error whose outputs the next update_from_output reports.
         self._obcache_refused: list[str] = []
         self._obcache_errored: list = []
+        # The KV oracle (OBCACHE_VLLM_VERIFY=1, eviction/oracle.py): each step tells the worker
+        # which entries were made and which admitted requests adopted one; its mismatches are
+        # counted faults, the latest kept here for readers (tests, the stress).
+        self.obcache_verify = os.environ.get(VERIFY_ENV) == "1"
+        self.obcache_prefix.record_made = self.obcache_verify
+        self.obcache_mismatches: deque = deque(maxlen=1024)
 
     # Read by tests, the teacher-forcing tool and the fault hooks.
     @property
@@ -158,6 +173,7 @@ class OBCacheScheduler(Scheduler):
             refused, self._obcache_refused = self._obcache_refused, []
             finished = self.finish_requests(refused, RequestStatus.FINISHED_ERROR)
             self._obcache_errored.extend(finished)
+        self.obcache_pool.new_step()
         output = super().schedule(*args, **kwargs)
         orders, disabled = {}, []
         for req_id in output.num_scheduled_tokens:  # values change below, keys do not
@@ -188,21 +204,41 @@ class OBCacheScheduler(Scheduler):
         setattr(output, ORDERS_ATTR, orders)
         if disabled:
             setattr(output, DISABLED_ATTR, tuple(disabled))
-        starts = self._adopted_starts(output)
+        starts = self._admitted(output)
         if starts:
             setattr(output, STARTS_ATTR, starts)
+        if self.obcache_verify:
+            setattr(output, VERIFY_ATTR, self._verify_note(starts))
         return output
 
-    def _adopted_starts(self, output) -> dict[str, int]:
-        """Dead blocks of this step's new or resumed requests that adopted an entry."""
+    def _admitted(self, output) -> dict[str, int]:
+        """This step's new or resumed budgeted requests: their lookups counted (once per
+        admission), and the dead blocks of those that adopted an entry."""
         starts = {}
         admitted = [new.req_id for new in output.scheduled_new_reqs]
         admitted += list(output.scheduled_cached_reqs.resumed_req_ids)
         for req_id in admitted:
             blocks = self.obcache_ledger.get(req_id)
-            if blocks is not None and blocks.start is not None and blocks.start.compressed:
+            if blocks is None:
+                continue
+            self.obcache_prefix.admitted(blocks)
+            if blocks.start is not None and blocks.start.compressed:
                 starts[req_id] = blocks.start.dead
         return starts
+
+    def _verify_note(self, starts: dict[str, int]) -> VerifyNote:
+        """What the worker's KV oracle checks this step (verification mode)."""
+        entries = tuple(
+            EntryNote(e.entry_id, e.donor or "?", e.tokens, e.dead, e.source_ids, e.block_ids)
+            for e in self.obcache_prefix.take_made()
+        )
+        adopted = []
+        for req_id in starts:
+            start = self.obcache_ledger.get(req_id).start
+            if start.entry_id is not None:
+                note = AdoptNote(start.entry_id, start.donor or "?", start.tokens, start.dead)
+                adopted.append((req_id, note))
+        return VerifyNote(entries, tuple(adopted))
 
     def _plan_request(self, output, request, blocks: RequestBlocks) -> EvictionOrder | None:
         """This step's order for one budgeted request, or None (may cut its prefill chunk)."""
@@ -263,6 +299,12 @@ class OBCacheScheduler(Scheduler):
                     self.obcache_pool.free_head(req_id, *freed)
                 if at_point and blocks.entry_kind == "compress_at":
                     self.obcache_prefix.donate_copy(request, blocks)
+            for mismatch in report.mismatches:  # the KV oracle (verification mode)
+                totals.count_failure("verify", mismatch.reason)
+                self.obcache_mismatches.append(mismatch)
+                log_fault(mismatch.req_id, "verify", mismatch.reason,
+                          f"{mismatch.detail} (the other request: {mismatch.other_id})",
+                          "served as it is (verification only)")  # fmt: skip
             for failure in report.failures:
                 blocks = self.obcache_ledger.get(failure.req_id)
                 if blocks is not None:

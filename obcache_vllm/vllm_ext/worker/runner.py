@@ -11,6 +11,12 @@ methods that the CPU and GPU runners share. Per step:
    own state) and hand it to the attention metadata builders for this build only. An order
    that does not match the worker's state is not applied (never raised): it is reported as a
    contained ``desync`` fault and the request is left as it is.
+KV oracle (verification mode, :mod:`obcache_vllm.eviction.oracle`): when the scheduler output
+carries a ``VerifyNote``, what each new entry's donor left is fingerprinted in step 1 (before
+vLLM runs the step's block copies), and the entries, the adopters and the copies themselves
+are checked in step 2 (after the copies, before the forward pass); mismatches ride on the
+report.
+
 3. After the forward pass: commit what every attention layer did (an order counts as applied
    only if every layer compacted it), and turn the rows' contained faults into the report.
    ``sample_tokens`` attaches the :class:`EvictionReport` to the ``ModelRunnerOutput`` (an extra
@@ -34,6 +40,7 @@ from collections import OrderedDict
 import torch
 
 from obcache_vllm.eviction.messages import EvictionOrder, EvictionReport, RowFailure, RowState
+from obcache_vllm.eviction.oracle import KvOracle
 from obcache_vllm.eviction.step import (
     DecodeQueryStore,
     RequestKvState,
@@ -43,7 +50,13 @@ from obcache_vllm.eviction.step import (
     agree_across_ranks,
 )
 from obcache_vllm.options import WireError, admitted_options
-from obcache_vllm.vllm_ext.wire import DISABLED_ATTR, ORDERS_ATTR, REPORT_ATTR, STARTS_ATTR
+from obcache_vllm.vllm_ext.wire import (
+    DISABLED_ATTR,
+    ORDERS_ATTR,
+    REPORT_ATTR,
+    STARTS_ATTR,
+    VERIFY_ATTR,
+)
 from obcache_vllm.vllm_ext.worker.attention import EvictingBuilderMixin
 
 logger = logging.getLogger(__name__)
@@ -65,6 +78,9 @@ class EvictingRunnerMixin:
         self.obcache_queries = DecodeQueryStore()
         self._obcache_untracked: list[str] = []
         self._obcache_tp_handles = None  # see _obcache_tp
+        self._obcache_oracle: KvOracle | None = None  # created by the first VerifyNote
+        self._obcache_verify = None  # the step's VerifyNote until its checks have run
+        self._obcache_mismatches: list = []
         # Verification aid: kept indices per request and layer (OBCACHE_VLLM_RECORD_KEEP=1 only).
         self.obcache_records: OrderedDict[str, dict] | None = (
             OrderedDict() if os.environ.get(RECORD_ENV) == "1" else None
@@ -112,6 +128,55 @@ class EvictingRunnerMixin:
             state = self.obcache_states.get(req_id)
             if state is not None:
                 state.dead = dead
+        note = getattr(scheduler_output, VERIFY_ATTR, None)
+        self._obcache_verify = note
+        if note is not None and note.entries:  # before vLLM runs the step's copies
+            self.obcache_oracle.before_copies(self._obcache_read_kv, note)
+
+    # -- the KV oracle (verification mode) ------------------------------------------------
+    @property
+    def obcache_oracle(self) -> KvOracle:
+        if self._obcache_oracle is None:
+            self._obcache_oracle = KvOracle(
+                len(self.obcache_layer_index), self.cache_config.block_size
+            )
+        return self._obcache_oracle
+
+    def _obcache_read_kv(self, layer: int, block_ids, num_tokens: int):
+        """Keys and values [Hkv, N, D] of layer ``layer`` over the first ``num_tokens`` slots
+        of ``block_ids``, through the backend adapter's view of the layer's cache."""
+        names = list(self.obcache_layer_index)
+        module = self.compilation_config.static_forward_context[names[layer]]
+        kv_cache = module.kv_cache
+        if isinstance(kv_cache, list | tuple):
+            kv_cache = kv_cache[0]
+        view = module.impl.obcache_adapter.kv_view(kv_cache, module, module.impl)
+        ids = torch.tensor([list(block_ids)], dtype=torch.int64, device=kv_cache.device)
+        keys, values = view.gather(ids, num_tokens)
+        return keys[0].cpu(), values[0].cpu()
+
+    def _obcache_check_copies(self, scheduler_output) -> None:
+        """The oracle's checks after the step's copies, before its forward pass."""
+        note, self._obcache_verify = self._obcache_verify, None
+        if note is None:
+            return
+        bs = self.cache_config.block_size
+        written, owners, tables = {}, {}, {}
+        for req_id, state in self.requests.items():
+            ids = state.block_ids[0]
+            for block in ids:
+                if block:  # 0: vLLM's null block
+                    owners.setdefault(block, req_id)
+            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            computed = state.num_computed_tokens
+            for index in range(computed // bs, -(-(computed + n) // bs) if n else 0):
+                if index < len(ids):  # (block, first slot this step writes in it)
+                    written[ids[index]] = (req_id, max(0, computed - index * bs))
+            tables[req_id] = ids
+        copies = scheduler_output.kv_cache_block_copies or ()
+        self._obcache_mismatches += self.obcache_oracle.after_copies(
+            self._obcache_read_kv, note, tables, copies, written, owners
+        )
 
     def _obcache_drop(self, req_id: str) -> None:
         state = self.obcache_states.pop(req_id, None)
@@ -139,6 +204,7 @@ class EvictingRunnerMixin:
     def _build_attention_metadata(self, *args, **kwargs):
         plan = None
         if self._obcache_output is not None and not kwargs.get("for_cudagraph_capture"):
+            self._obcache_check_copies(self._obcache_output)
             plan = self._obcache_make_plan(self._obcache_output)
         self._obcache_plan = plan
         builders = self._obcache_builders()
@@ -318,6 +384,11 @@ class EvictingRunnerMixin:
     def sample_tokens(self, grammar_output):
         output = super().sample_tokens(grammar_output)
         report, self._obcache_report = self._obcache_report, None
+        mismatches, self._obcache_mismatches = self._obcache_mismatches, []
+        if mismatches:
+            if report is None:
+                report = EvictionReport(applied=(), seconds=0.0)
+            report = dataclasses.replace(report, mismatches=tuple(mismatches))
         if report is not None and output is not None:
             setattr(output, REPORT_ATTR, report)
         return output
