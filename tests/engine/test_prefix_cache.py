@@ -227,6 +227,7 @@ def test_compaction_never_writes_a_block_another_request_reads(fresh, driver, to
     and compacts: the stock one keeps stock vLLM's tokens (copy-on-write at admission)."""
     engine = fresh
     doc, (q1, q2) = _doc(tokenizer), _questions(tokenizer)
+    failures = dict(engine.scheduler.obcache_totals.failures)
     stock_id = driver.add("holder", doc + q1, 24, ignore_eos=True)
     for _ in range(3):  # the holder's prompt is cached, it decodes on
         driver.step()
@@ -235,7 +236,11 @@ def test_compaction_never_writes_a_block_another_request_reads(fresh, driver, to
     held = max(s[reader].computed for s in driver.trace if reader in s)
     assert held >= len(doc + q2)
     assert out[stock_id] == stock["holder"]
-    assert engine.scheduler.obcache_totals.evictions >= 1
+    # The reader read the holder's blocks, copied those it compacts and compacted: without
+    # the copies its compaction is refused (a contained fault) and it runs uncompressed.
+    (record,) = [r for r in engine.scheduler.obcache_finished if r.req_id == reader]
+    assert record.evictions == 1 and record.blocks_freed >= 1
+    assert dict(engine.scheduler.obcache_totals.failures) == failures
 
 
 def test_a_failed_adoption_falls_back_to_a_recompute(fresh, tokenizer):

@@ -93,16 +93,18 @@ class Driver:
     trace: list = field(default_factory=list)
 
     def add(
-        self, req_id: str, prompt_ids: list[int], max_tokens: int, ignore_eos=False, **kv
-    ) -> str:
+        self, req_id: str, prompt_ids: list[int], max_tokens: int, ignore_eos=False,
+        salt: str | None = None, **kv,
+    ) -> str:  # fmt: skip
         from vllm import SamplingParams
 
         params = SamplingParams(
             temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=kv or None
         )
-        internal = self.engine.llm.llm_engine.add_request(
-            req_id, {"prompt_token_ids": prompt_ids}, params
-        )
+        prompt = {"prompt_token_ids": prompt_ids}
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        internal = self.engine.llm.llm_engine.add_request(req_id, prompt, params)
         self.internal[req_id] = internal
         return internal
 

@@ -300,6 +300,7 @@ class PrefixAdapter:
             (dropped if pair[1].block_id in self._copying else keep).append(pair)
         entries = {self._copying[dst.block_id] for _, dst in dropped}
         self._copying.clear()
+        self._made = [e for e in self._made if e not in entries]
         self.group._pending_cow_copies = keep
         for entry in entries:
             self.entries.remove(entry)
