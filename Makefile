@@ -7,7 +7,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full \
-	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet
+	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress
 
 setup:
 	@bash scripts/setup.sh
@@ -38,6 +38,13 @@ FUZZ_EXAMPLES ?= 3000
 fuzz: setup
 	OBCACHE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) OBCACHE_FUZZ_RANDOM=1 OBCACHE_FUZZ_REPORT=results/fuzz.json \
 		$(PY) -m pytest tests/server/test_fuzz.py -s --timeout=0 $(PYTEST_ARGS)
+
+## The long concurrent stress of KV reuse (the suite runs 10 cases): STRESS_CASES seeded cases,
+## at most STRESS_MINUTES; report in results/stress (exits non-zero on any problem)
+STRESS_CASES ?= 2000
+STRESS_MINUTES ?= 240
+stress: setup
+	$(PY) scripts/stress.py --cases $(STRESS_CASES) --minutes $(STRESS_MINUTES) --out results/stress
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,143 @@
+"""The long concurrent stress of KV reuse on the real engine (``make stress``).
+
+Runs seeded cases of tests/support/stress.py (requests in flight together over shared
+documents; see that module for what is drawn and what must hold) on one in-process engine
+with the test suite's settings, and writes a report: cases, requests, what was exercised
+(adoptions, entries, preemptions, aborts, resets, oracle checks) and every problem found,
+each with the command that replays its case.
+
+    .venv/bin/python scripts/stress.py --cases 2000 --out results/stress
+    OBCACHE_STRESS_SEED=7 OBCACHE_STRESS_CASES=12:13 .venv/bin/python scripts/stress.py
+
+Bounded: it stops after ``--cases`` cases or ``--minutes`` minutes, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+# Before vLLM is imported: the engine in this process, the oracle on, one core.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OBCACHE_VLLM_VERIFY", "1")
+os.environ.setdefault("OBCACHE_VLLM_RECORD_KEEP", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=2000)
+    parser.add_argument("--minutes", type=float, default=240.0)
+    parser.add_argument("--seed", default=os.environ.get("OBCACHE_STRESS_SEED", "long"))
+    parser.add_argument("--out", type=Path, default=None, help="report folder")
+    args = parser.parse_args()
+    first, last = 0, args.cases
+    if os.environ.get("OBCACHE_STRESS_CASES"):  # "a:b": replay cases a..b-1
+        first, last = (int(x) for x in os.environ["OBCACHE_STRESS_CASES"].split(":"))
+
+    from support.engine import ENGINE_KWARGS, POOL_BLOCKS, Internals
+    from support.stress import Stress, draw_case, replay
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    from obcache_vllm.model import default_model_path
+
+    sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    from test_stress import corpus  # the suite's documents and questions
+
+    path = default_model_path()
+    llm = LLM(model=str(path), **ENGINE_KWARGS)
+    engine = Internals(llm)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    docs, questions = corpus(tokenizer)
+    stress = Stress(engine, POOL_BLOCKS)
+    totals: Counter = Counter()
+    problems = []
+    started = time.monotonic()
+    done = 0
+    for index in range(first, last):
+        if time.monotonic() - started > args.minutes * 60:
+            break
+        case = draw_case(args.seed, index, docs, questions)
+        outcome = stress.check(case)
+        totals.update(outcome.stats)
+        done += 1
+        if outcome.problems:
+            problems.append({"case": case.seed, "requests": case.describe(),
+                             "problems": outcome.problems, "replay": replay(args.seed, index)})
+            print(f"case {case.seed}: PROBLEM {outcome.problems}", flush=True)
+        if done % 25 == 0:
+            print(f"{done} cases, {time.monotonic() - started:.0f} s, {dict(totals)}", flush=True)
+    seconds = time.monotonic() - started
+    report = {
+        "seed": args.seed,
+        "cases": done,
+        "first_case": first,
+        "seconds": round(seconds, 1),
+        "problems": problems,
+        "totals": dict(totals),
+        "oracle_checks": engine.runner.obcache_oracle.checks,
+        "engine": {k: v for k, v in ENGINE_KWARGS.items()},
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, engine on one core",
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                 capture_output=True, text=True).stdout.strip(),  # fmt: skip
+        "command": " ".join(["python", "scripts/stress.py", *sys.argv[1:]]),
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "problems"}, indent=1))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        (args.out / "report.md").write_text(render(report))
+    return 1 if problems else 0
+
+
+def render(report: dict) -> str:
+    t = report["totals"]
+    lines = [
+        "# Concurrent reuse stress",
+        "",
+        f"`{report['command']}` on {report['date']}, commit {report['commit']} "
+        f"({report['machine']}; seed "
+        f"`{report['seed']}`, {report['seconds'] / 60:.0f} min).",
+        "",
+        "| what | count |",
+        "|---|---|",
+        f"| cases (each one drawn interleaving of arrivals, aborts, resets) | {report['cases']} |",
+        f"| requests | {t.get('requests', 0)} |",
+        f"| requests compared with the same request alone | {t.get('compared', 0)} |",
+        f"| kv_compress_at adoptions / entries made | {t.get('compress_at_hit', 0)} / "
+        f"{t.get('compress_at_created', 0)} |",
+        f"| session continuations / entries made | {t.get('session_hit', 0)} / "
+        f"{t.get('session_created', 0)} |",
+        f"| held entries given up (released) | "
+        f"{t.get('compress_at_released', 0) + t.get('session_released', 0)} |",
+        f"| preemptions | {t.get('preemptions', 0)} |",
+        f"| aborts | {t.get('aborted', 0)} |",
+        f"| resets of the prefix cache | {t.get('resets', 0)} |",
+        f"| KV oracle comparisons (entries and adoptions; copies are checked every step) | "
+        f"{report['oracle_checks']} |",
+        f"| cases with a problem (oracle mismatch, fault, leak, different tokens) | "
+        f"{len(report['problems'])} |",
+        "",
+    ]
+    for problem in report["problems"]:
+        lines += [f"- case {problem['case']}: {problem['problems']} ({problem['replay']})"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
