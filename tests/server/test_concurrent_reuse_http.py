@@ -1,0 +1,103 @@
+"""Compressed contexts reused by requests in flight together, over HTTP (the session server).
+
+Questions over one document (kv_compress_at) and follow-up turns of one chat (kv_session) are
+sent at once, with the arrival skew of concurrent clients; each must get the same text as the
+same request sent alone under a cache salt of its own. The server runs with the KV oracle on
+(tests/support/server.py), so every adoption and copy is also checked against what its donor
+left, and a mismatch would show in ``vllm:obcache_eviction_failures_total{stage="verify"}``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from support.server import MODEL_NAME, Server
+
+from obcache_vllm import metrics as M
+from obcache_vllm.textgen import haystack
+
+STAGGER_S = (0.0, 0.05, 0.15, 0.3, 0.6, 1.0, 2.0)
+
+
+def _post_all(server: Server, path: str, bodies: list[dict]) -> list[dict]:
+    """POST every body from its own thread, the i-th after STAGGER_S[i] seconds."""
+    results: list[dict | None] = [None] * len(bodies)
+
+    def send(i: int) -> None:
+        time.sleep(STAGGER_S[i])
+        status, body = server.post_json(path, bodies[i])
+        assert status == 200, body
+        results[i] = body
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+def _verify_faults(server: Server) -> float:
+    return server.metrics().value(M.EVICTION_FAILURES.exposed, stage="verify")
+
+
+def _tokenize(server: Server, text: str) -> list[int]:
+    status, body = server.post_json("/tokenize", {"model": MODEL_NAME, "prompt": text,
+                                                  "add_special_tokens": False})  # fmt: skip
+    assert status == 200, body
+    return body["tokens"]
+
+
+def test_questions_over_one_document_sent_at_once_match_each_alone(server: Server):
+    doc = _tokenize(server, haystack(40, seed=57))[:1009]  # not a multiple of the block size
+    questions = [_tokenize(server, f" Question {i}: which town traded crates in season {i}? "
+                                   "Answer:") for i in range(len(STAGGER_S))]  # fmt: skip
+    kv = {"kv_budget": 0.25, "kv_pipeline": "tova", "kv_compress_at": len(doc)}
+    faults = _verify_faults(server)
+
+    def body(q, salt=None):
+        b = {"model": MODEL_NAME, "prompt": doc + q, "max_tokens": 16, "temperature": 0, **kv}
+        return {**b, "cache_salt": salt} if salt else b
+
+    together = _post_all(server, "/v1/completions", [body(q) for q in questions])
+    reused = [r["usage"]["obcache"].get("reused_tokens") for r in together]
+    assert sum(1 for n in reused if n == len(doc)) >= 2, reused  # followers adopted the entry
+    for i, (q, got) in enumerate(zip(questions, together, strict=True)):
+        status, alone = server.post_json("/v1/completions", body(q, salt=f"alone-doc-{i}"))
+        assert status == 200 and "reused_tokens" not in alone["usage"]["obcache"]
+        assert got["choices"][0]["text"] == alone["choices"][0]["text"], (i, reused[i])
+    assert _verify_faults(server) == faults
+
+
+def test_follow_up_turns_of_one_chat_sent_at_once_match_each_alone(server: Server):
+    kv = {"kv_budget": 160, "kv_session": True, "kv_pipeline": "tova"}
+    system = {"role": "system", "content": "Records:\n" + haystack(18, seed=59)}
+    first = [system, {"role": "user", "content": "Which towns appear?"}]
+    follow_ups = ["What was traded?", "Which year comes first?", "Name one more town.",
+                  "And the season?"]  # fmt: skip
+    faults = _verify_faults(server)
+
+    def chat(messages, salt=None):
+        b = {"model": MODEL_NAME, "messages": messages, "max_tokens": 16, "temperature": 0, **kv}
+        return {**b, "cache_salt": salt} if salt else b
+
+    def branches(answer):
+        turn = [*first, {"role": "assistant", "content": answer}]
+        return [[*turn, {"role": "user", "content": q}] for q in follow_ups]
+
+    status, opened = server.post_json("/v1/chat/completions", chat(first))
+    assert status == 200
+    answer = opened["choices"][0]["message"]["content"]
+    together = _post_all(server, "/v1/chat/completions", [chat(m) for m in branches(answer)])
+    turns = [r["usage"]["obcache"].get("session_turn") for r in together]
+    assert turns.count(2) >= 2, turns  # the follow-ups continued the first turn's cache
+    for i, got in enumerate(together):
+        salt = f"alone-chat-{i}"
+        status, again = server.post_json("/v1/chat/completions", chat(first, salt))
+        assert status == 200 and again["choices"][0]["message"]["content"] == answer
+        status, alone = server.post_json("/v1/chat/completions", chat(branches(answer)[i], salt))
+        assert status == 200 and alone["usage"]["obcache"].get("session_turn") == 2
+        assert got["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    assert _verify_faults(server) == faults
