@@ -77,8 +77,9 @@ REJECTED_REQUESTS = MetricSpec(
 EVICTION_FAILURES = MetricSpec(
     "vllm:obcache_eviction_failures",
     "counter",
-    "Eviction faults contained to one request, by stage (schedule, score, compact, report) and "
-    "reason; that request continued uncompressed or finished with an error.",
+    "Eviction faults contained to one request, by stage (schedule, score, compact, report; "
+    "verify: a KV oracle mismatch, OBCACHE_VLLM_VERIFY=1) and reason; that request continued "
+    "uncompressed or finished with an error (verify: served as it was).",
     ("stage", "reason"),
 )
 
