@@ -8,6 +8,9 @@ each with the command that replays its case.
 
     .venv/bin/python scripts/stress.py --cases 2000 --out results/stress
     OBCACHE_STRESS_SEED=7 OBCACHE_STRESS_CASES=12:13 .venv/bin/python scripts/stress.py
+    # two processes, one per core, then one report:
+    OBCACHE_STRESS_CASES=0:1000 ... --out /tmp/a;  OBCACHE_STRESS_CASES=1000:2000 ... --out /tmp/b
+    .venv/bin/python scripts/stress.py --merge /tmp/a /tmp/b --out results/stress
 
 Bounded: it stops after ``--cases`` cases or ``--minutes`` minutes, whichever comes first.
 """
@@ -37,13 +40,34 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
+PROFILES = {
+    "suite": {"engine": {}, "corpus": {}},
+    "small": {
+        "engine": {"num_gpu_blocks_override": 32,
+                   "max_num_batched_tokens": 128, "max_model_len": 1024},
+        "corpus": {"sizes": ((21, 243), (22, 173), (23, 97))},
+    },
+}  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=2000)
     parser.add_argument("--minutes", type=float, default=240.0)
     parser.add_argument("--seed", default=os.environ.get("OBCACHE_STRESS_SEED", "long"))
     parser.add_argument("--out", type=Path, default=None, help="report folder")
+    parser.add_argument(
+        "--profile", choices=sorted(PROFILES), default="small",
+        help="suite: the suite's engine and documents (96 blocks of 32, ~700-token documents); "
+        "small: a 32-block pool, 128-token steps and ~100-250-token "
+        "documents (the same mixes, about 5x cheaper per case, at the pool's limit more often)",
+    )  # fmt: skip
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="report folders of runs over disjoint case ranges: one report")
     args = parser.parse_args()
+    if args.merge:
+        return write(merge([json.loads((d / "report.json").read_text()) for d in args.merge]),
+                     args.out)  # fmt: skip
     first, last = 0, args.cases
     if os.environ.get("OBCACHE_STRESS_CASES"):  # "a:b": replay cases a..b-1
         first, last = (int(x) for x in os.environ["OBCACHE_STRESS_CASES"].split(":"))
@@ -58,12 +82,15 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "tests" / "engine"))
     from test_stress import corpus  # the suite's documents and questions
 
+    profile = PROFILES[args.profile]
+    engine_kwargs = {**ENGINE_KWARGS, **profile["engine"]}
+    pool_blocks = engine_kwargs.get("num_gpu_blocks_override", POOL_BLOCKS)
     path = default_model_path()
-    llm = LLM(model=str(path), **ENGINE_KWARGS)
+    llm = LLM(model=str(path), **engine_kwargs)
     engine = Internals(llm)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    docs, questions = corpus(tokenizer)
-    stress = Stress(engine, POOL_BLOCKS)
+    docs, questions = corpus(tokenizer, **profile["corpus"])
+    stress = Stress(engine, pool_blocks)
     totals: Counter = Counter()
     problems = []
     started = time.monotonic()
@@ -90,19 +117,45 @@ def main() -> int:
         "problems": problems,
         "totals": dict(totals),
         "oracle_checks": engine.runner.obcache_oracle.checks,
-        "engine": {k: v for k, v in ENGINE_KWARGS.items()},
+        "profile": args.profile,
+        "engine": engine_kwargs,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, engine on one core",
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                  capture_output=True, text=True).stdout.strip(),  # fmt: skip
         "command": " ".join(["python", "scripts/stress.py", *sys.argv[1:]]),
     }
+    return write(report, args.out)
+
+
+def write(report: dict, out: Path | None) -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "problems"}, indent=1))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "report.md").write_text(render(report))
-    return 1 if problems else 0
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "report.md").write_text(render(report))
+    return 1 if report["problems"] else 0
+
+
+def merge(reports: list[dict]) -> dict:
+    """One report of runs over disjoint case ranges of one seed (in parallel processes)."""
+    first = reports[0]
+    assert len({(r["seed"], r["profile"], r["commit"]) for r in reports}) == 1, "not one run"
+    totals: Counter = Counter()
+    for r in reports:
+        totals.update(r["totals"])
+    return {
+        **first,
+        "cases": sum(r["cases"] for r in reports),
+        "first_case": min(r["first_case"] for r in reports),
+        "seconds": max(r["seconds"] for r in reports),
+        "problems": [p for r in reports for p in r["problems"]],
+        "totals": dict(totals),
+        "oracle_checks": sum(r["oracle_checks"] for r in reports),
+        "command": " + ".join(f"{r['command']} [cases {r['first_case']}-"
+                              f"{r['first_case'] + r['cases'] - 1}]" for r in reports),
+        "machine": f"{first['machine']}; {len(reports)} processes in parallel",
+    }
 
 
 def render(report: dict) -> str:
@@ -111,7 +164,7 @@ def render(report: dict) -> str:
         "# Concurrent reuse stress",
         "",
         f"`{report['command']}` on {report['date']}, commit {report['commit']} "
-        f"({report['machine']}; seed "
+        f"({report['machine']}; profile `{report['profile']}`: {report['engine']}; seed "
         f"`{report['seed']}`, {report['seconds'] / 60:.0f} min).",
         "",
         "| what | count |",

@@ -4,7 +4,7 @@ of preemption when it does not, admission of a prompt that fits only compressed.
 from __future__ import annotations
 
 import pytest
-from support.engine import POOL_BLOCKS
+from support.engine import POOL_BLOCKS, run_stock
 from support.texts import haystack
 
 BS = 32
@@ -38,9 +38,12 @@ def _generate(engine, prompts, kv, max_tokens):
     ]
 
 
-def test_no_compression_while_the_pool_has_room(engine, tokenizer, preemptions):
+def test_no_compression_while_the_pool_has_room(engine, tokenizer, preemptions, engine_kwargs):
     prompts = [tokenizer(haystack(10, seed=60 + i)).input_ids for i in range(3)]
-    stock, _ = _generate(engine, prompts, {}, 24)
+    # The oracle: stock vLLM in its own process (plugin disabled), the same batch.
+    (stock,) = run_stock(engine_kwargs, [[
+        {"prompt_token_ids": p, "max_tokens": 24, "ignore_eos": True} for p in prompts
+    ]])  # fmt: skip
     counts = engine.scheduler.obcache_pressure.counts
     before = counts.compressions
     tokens, usages = _generate(engine, prompts, PRESSURE, 24)

@@ -20,10 +20,9 @@ CASES = int(os.environ.get("OBCACHE_STRESS_SUITE_CASES", "10"))
 pytestmark = pytest.mark.slow
 
 
-def corpus(tokenizer):
+def corpus(tokenizer, sizes=((21, 709), (22, 517), (23, 117))):
     """Three documents whose lengths are not multiples of the block size (the last short
-    enough that two prompts prefill in one step), and questions."""
-    sizes = ((21, 709), (22, 517), (23, 117))
+    enough that two prompts prefill in one step), and questions. ``sizes``: (seed, tokens)."""
     docs = [tokenizer(haystack(60, seed=s)).input_ids[:n] for s, n in sizes]
     questions = [tokenizer(f" Question: {q}? Answer:").input_ids for q in (
         "which town traded the most crates", "in which season did it happen",

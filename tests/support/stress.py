@@ -37,7 +37,7 @@ ARMS: tuple[dict | None, ...] = (
     {"kv_budget": 0.25, "kv_pipeline": "tova"},
     {"kv_budget": 96, "kv_pipeline": "snapkv", "kv_window": 8, "kv_scorer": "attn"},
     {"kv_budget": 0.3, "kv_pipeline": "tova", "kv_scorer": "value_norm", "kv_decode": True},
-    {"kv_budget": 1500, "kv_scorer": "obcache_joint"},  # over the whole sequence
+    {"kv_budget": 1000, "kv_scorer": "obcache_joint"},  # over the whole sequence
     {"kv_budget": 64, "kv_prefill_evict": True},
     {"kv_budget": 0.25, "kv_when": "pressure"},
     {"kv_budget": 0.25, "kv_session": True, "kv_pipeline": "tova"},
