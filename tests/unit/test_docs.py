@@ -188,3 +188,40 @@ def test_every_relative_markdown_link_resolves() -> None:
             if not (ROOT / resolved).is_file():
                 broken.append(f"{_rel(path)}: {target}")
     assert not broken, "\n".join(broken)
+
+
+# Working notes that mean nothing to a reader (who the "agents" are, which "issue", which
+# "tool"): a user-facing page says what the machine and its load were in the reader's terms.
+INTERNAL_PHRASES = ("agent's", "agents'", "other agents", "the issue's", "device tool",
+                    "can borrow", "this session")  # fmt: skip
+# Lock files serialize jobs on the development machine; only the page that explains them shows
+# one (contributing/testing.md, "Benchmarking on a shared machine").
+LOCK = re.compile(r"/tmp/obcache-core\d\.lock")
+LOCK_PAGE = DOCS / "contributing" / "testing.md"
+
+
+def _user_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def test_pages_speak_to_a_user_not_to_the_team() -> None:
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {phrase!r}"
+        for page in _user_pages()
+        for n, line in enumerate(page.read_text().splitlines(), start=1)
+        for phrase in INTERNAL_PHRASES
+        if phrase in line.lower()
+    ]
+    assert not found, "internal working notes on user-facing pages:\n" + "\n".join(found)
+
+
+def test_commands_use_no_lock_files_outside_the_page_that_explains_them() -> None:
+    found = [
+        f"{page.relative_to(ROOT)}:{n}"
+        for page in _user_pages()
+        if page != LOCK_PAGE
+        for n, line in enumerate(page.read_text().splitlines(), start=1)
+        if LOCK.search(line)
+    ]
+    assert not found, "commands with /tmp lock files:\n" + "\n".join(found)
+    assert LOCK.search(LOCK_PAGE.read_text()), "the explaining page lost its example"

@@ -144,7 +144,8 @@ class OBCacheScheduler(Scheduler):
             self.obcache_totals.count_failure("adopt", reason)
             log_fault(request.request_id, "adopt", reason, str(exc),
                       "recomputed without the prefix cache")  # fmt: skip
-            blocks.start = None
+            blocks.unadopt()  # whatever a lookup before this one adopted
+            blocks.lookup = None
             return self.kv_cache_manager.empty_kv_cache_blocks, 0, 0, False
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
