@@ -58,6 +58,14 @@ def traffic_dependent(kv: dict | None) -> bool:
     return bool(kv) and any(kv.get(option) for option in TRAFFIC_DEPENDENT)
 
 
+def recompute_differs(spec: Spec) -> bool:
+    """Whether a preemption (by the pool, or a reset with running requests) may change the
+    request's tokens by design: it recomputes its cache from its tokens, and with ``kv_decode``
+    the evictions it made while decoding are not made again the same way (the generated tokens
+    are prefilled), nor is a session turn's continuation when its entry is gone meanwhile."""
+    return bool(spec.kv) and bool(spec.kv.get("kv_decode") or spec.follows)
+
+
 @dataclass
 class Spec:
     """One request of a case. ``follows``: the session turn it continues (its prompt is that
@@ -151,11 +159,16 @@ class Stress:
         self._alone: dict[str, list[int] | None] = {}
         self._serial = 0
         self.preemptions = 0
+        self.preempted: set[str] = set()  # engine request ids preempted in the current case
+        self._external: dict[str, str] = {}
+        self._usage: dict[str, dict | None] = {}  # engine request id -> usage.obcache
+        self._prompts: dict[str, list[int]] = {}  # name -> the prompt it sent (last run)
         scheduler = engine.scheduler
         original = scheduler._preempt_request
 
         def counting(request, *args, **kwargs):
             self.preemptions += 1
+            self.preempted.add(request.request_id)
             return original(request, *args, **kwargs)
 
         scheduler._preempt_request = counting
@@ -178,12 +191,14 @@ class Stress:
         for out in self.engine.llm.llm_engine.step():
             if out.finished:
                 finished[out.request_id] = list(out.outputs[0].token_ids)
+                self._usage[out.request_id] = (out.kv_transfer_params or {}).get("obcache")
 
     def run(self, case: Case, *, salt_prefix: str | None = None) -> tuple[dict, set]:
         """Run ``case`` concurrently: tokens by name, and the names that were aborted."""
         llm_engine = self.engine.llm.llm_engine
         by_name = {s.name: s for s in case.specs}
         internal: dict[str, str] = {}
+        self._external = internal  # name -> the engine's external request id (last run)
         prompts: dict[str, list[int]] = {}
         finished_at: dict[str, int] = {}
         finished: dict[str, list[int]] = {}
@@ -209,6 +224,7 @@ class Stress:
                     prev = by_name[spec.follows]
                     prompt = prompts[prev.name] + finished[internal[prev.name]] + spec.prompt
                 prompts[spec.name] = prompt
+                self._prompts = prompts
                 internal[spec.name] = self._add(spec.name, prompt, spec, spec.salt)
             for spec in case.specs:
                 rid = internal.get(spec.name)
@@ -241,10 +257,15 @@ class Stress:
 
     def alone(self, case: Case, name: str, tokens: dict[str, list[int]]) -> list[int] | None:
         """The tokens ``name`` gets alone: its chain of session turns, each by itself, under
-        a salt of their own (memoized by what the chain sends)."""
+        a salt of their own (memoized by what the chain sends). A session turn that did not
+        continue its predecessor's cache (its entry was gone: a reset, the LRU) recomputed its
+        whole prompt, so alone it is that prompt by itself."""
         by_name = {s.name: s for s in case.specs}
         chain = []
         spec = by_name[name]
+        usage = self._usage.get(self._external.get(name, ""))
+        if spec.follows and (usage or {}).get("reused_from") != "session":
+            spec = Spec(spec.name, self._prompts[name], spec.max_tokens, spec.kv, 0)
         while spec is not None:
             chain.append(spec)
             spec = by_name[spec.follows] if spec.follows else None
@@ -277,6 +298,7 @@ class Stress:
         mismatches = len(scheduler.obcache_mismatches)
         counts = dict(prefix.counts)
         preemptions = self.preemptions
+        self.preempted.clear()
         try:
             tokens, aborted = self.run(case)
         except Exception as exc:  # an engine error is a finding, not a crash of the stress
@@ -303,6 +325,9 @@ class Stress:
         for spec in case.specs:
             if spec.name not in tokens or traffic_dependent(spec.kv):
                 continue
+            if recompute_differs(spec) and self._was_preempted(case, spec.name):
+                stats["preempted_not_compared"] += 1
+                continue
             alone = self.alone(case, spec.name, tokens)
             stats["compared"] += 1
             if tokens[spec.name] != alone:
@@ -314,6 +339,17 @@ class Stress:
             problems = self._pool_problems()  # after the alone runs too
             outcome.problems += problems
         return outcome
+
+    def _was_preempted(self, case: Case, name: str) -> bool:
+        """Whether ``name``, or a session turn it continues, was preempted in the last run."""
+        by_name = {s.name: s for s in case.specs}
+        while name is not None:
+            external = self._external.get(name)
+            if external and any(r == external or r.startswith(f"{external}-")
+                                for r in self.preempted):  # fmt: skip
+                return True
+            name = by_name[name].follows
+        return False
 
     def _pool_problems(self) -> list[str]:
         scheduler = self.engine.scheduler
