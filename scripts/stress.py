@@ -82,6 +82,9 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "tests" / "engine"))
     from test_stress import corpus  # the suite's documents and questions
 
+    # The code under test is what was checked out when the run started.
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()  # fmt: skip
     profile = PROFILES[args.profile]
     engine_kwargs = {**ENGINE_KWARGS, **profile["engine"]}
     pool_blocks = engine_kwargs.get("num_gpu_blocks_override", POOL_BLOCKS)
@@ -121,8 +124,7 @@ def main() -> int:
         "engine": engine_kwargs,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, engine on one core",
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                 capture_output=True, text=True).stdout.strip(),  # fmt: skip
+        "commit": commit,
         "command": " ".join(["python", "scripts/stress.py", *sys.argv[1:]]),
     }
     return write(report, args.out)
@@ -140,7 +142,7 @@ def write(report: dict, out: Path | None) -> int:
 def merge(reports: list[dict]) -> dict:
     """One report of runs over disjoint case ranges of one seed (in parallel processes)."""
     first = reports[0]
-    assert len({(r["seed"], r["profile"], r["commit"]) for r in reports}) == 1, "not one run"
+    assert len({(r["seed"], r["profile"]) for r in reports}) == 1, "not one seed and profile"
     totals: Counter = Counter()
     for r in reports:
         totals.update(r["totals"])
@@ -154,6 +156,7 @@ def merge(reports: list[dict]) -> dict:
         "oracle_checks": sum(r["oracle_checks"] for r in reports),
         "command": " + ".join(f"{r['command']} [cases {r['first_case']}-"
                               f"{r['first_case'] + r['cases'] - 1}]" for r in reports),
+        "commit": ", ".join(dict.fromkeys(r["commit"] for r in reports)),
         "machine": f"{first['machine']}; {len(reports)} processes in parallel",
     }
 
@@ -189,6 +192,8 @@ def render(report: dict) -> str:
     ]
     for problem in report["problems"]:
         lines += [f"- case {problem['case']}: {problem['problems']} ({problem['replay']})"]
+    if report.get("notes"):
+        lines += ["", *report["notes"]]
     return "\n".join(lines) + "\n"
 
 
