@@ -289,3 +289,14 @@ def test_fleet_checks_read_the_router_and_the_workers() -> None:
     lopsided = {**run, "served_per_worker": [5.0, 0.0], "router_per_worker": [4.0, 1.0]}
     by_name = {c["name"]: c["ok"] for c in fleet.checks(lopsided, "round_robin", True)}
     assert not by_name["spread"] and not by_name["router_agrees"] and by_name["counted"]
+
+
+def test_parity_compares_floats_to_a_tolerance_and_everything_else_exactly():
+    from loadtest.parity import same_response
+
+    assert same_response({"logprob": -0.12345678, "text": "a"},
+                         {"logprob": -0.12345679, "text": "a"})
+    assert not same_response({"logprob": -0.1234}, {"logprob": -0.1244})
+    assert not same_response({"text": "a"}, {"text": "b"})
+    assert not same_response({"ids": [1, 2]}, {"ids": [1, 2, 3]})
+    assert not same_response({"a": 1}, {"b": 1})
