@@ -80,9 +80,6 @@ class Spec:
     abort_at: int | None = None
     follows: str | None = None
 
-    def key(self, chain: tuple) -> str:
-        return json.dumps([chain, self.max_tokens, self.kv, self.salt is not None])
-
 
 @dataclass
 class Case:
@@ -194,7 +191,7 @@ class Stress:
                 finished[out.request_id] = list(out.outputs[0].token_ids)
                 self._usage[out.request_id] = (out.kv_transfer_params or {}).get("obcache")
 
-    def run(self, case: Case, *, salt_prefix: str | None = None) -> tuple[dict, set]:
+    def run(self, case: Case) -> tuple[dict, set]:
         """Run ``case`` concurrently: tokens by name, and the names that were aborted."""
         llm_engine = self.engine.llm.llm_engine
         by_name = {s.name: s for s in case.specs}

@@ -81,6 +81,7 @@ class EvictingRunnerMixin:
         self._obcache_oracle: KvOracle | None = None  # created by the first VerifyNote
         self._obcache_verify = None  # the step's VerifyNote until its checks have run
         self._obcache_mismatches: list = []
+        self._obcache_layer_names: list[str] | None = None  # by layer index (the oracle's reads)
         # Verification aid: kept indices per request and layer (OBCACHE_VLLM_RECORD_KEEP=1 only).
         self.obcache_records: OrderedDict[str, dict] | None = (
             OrderedDict() if os.environ.get(RECORD_ENV) == "1" else None
@@ -145,8 +146,9 @@ class EvictingRunnerMixin:
     def _obcache_read_kv(self, layer: int, block_ids, num_tokens: int):
         """Keys and values [Hkv, N, D] of layer ``layer`` over the first ``num_tokens`` slots
         of ``block_ids``, through the backend adapter's view of the layer's cache."""
-        names = list(self.obcache_layer_index)
-        module = self.compilation_config.static_forward_context[names[layer]]
+        if self._obcache_layer_names is None:
+            self._obcache_layer_names = list(self.obcache_layer_index)
+        module = self.compilation_config.static_forward_context[self._obcache_layer_names[layer]]
         kv_cache = module.kv_cache
         if isinstance(kv_cache, list | tuple):
             kv_cache = kv_cache[0]
