@@ -125,7 +125,7 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
         scores, keep=order.kept, recent=opts.recent, sinks=opts.sinks, reduce=reduction
     )
     if state.record is not None:
-        state.record[layer] = keep.clone()
+        state.record_keep(layer, keep, row.block_size)
     index = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])  # [Hkv, K, D]
     kept_k = torch.gather(keys, 1, index)  # gathered before anything is written
     kept_v = torch.gather(values, 1, index)
@@ -213,7 +213,7 @@ def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
         if running is not None:
             running.gather(keep[i])
         if r.state.record is not None:
-            r.state.record[layer] = keep[i].clone()
+            r.state.record_keep(layer, keep[i], r.block_size)
 
 
 def _scores(plan: StepPlan, row: RowPlan, layer, q_rows, keys, values, geom, prefill_end):

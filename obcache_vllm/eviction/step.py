@@ -93,9 +93,11 @@ class RequestKvState:
     disabled: str | None = None
     # kv_when "pressure" and not compressed yet: it runs as stock (no scoring, no buffers).
     pressure_pending: bool = False
-    # Debug/verification only (OBCACHE_VLLM_RECORD_KEEP=1): kept indices per layer [Hkv, K]
-    # of the last eviction, relative to the resident tokens before it.
-    record: dict[str, torch.Tensor] | None = None
+    # Debug/verification only (OBCACHE_VLLM_RECORD_KEEP=1), see ``record_keep``: per layer
+    # name the kept indices [Hkv, K] of the last eviction (relative to the resident tokens
+    # before it), "<layer>:positions" the true prompt/output positions of those kept tokens,
+    # "<layer>:window" the scored window, ":orders" [(logical_len, prefill)] per eviction.
+    record: dict | None = None
 
     @classmethod
     def create(cls, options: KvOptions) -> RequestKvState:
@@ -105,6 +107,9 @@ class RequestKvState:
 
     def reset(self) -> None:
         """Forget everything: the request's KV is being recomputed from position 0."""
+        if self.record is not None:  # the positions described the cache now recomputed
+            for key in [k for k in self.record if k.endswith(":positions")]:
+                del self.record[key]
         self.dead = 0
         self.kept_prompt = None
         self.queries.clear()
@@ -136,6 +141,28 @@ class RequestKvState:
         if self.pressure_pending:
             return False
         return self.options.decode and self.pipeline.scored and self.decode_mode == "sum"
+
+    def record_keep(self, layer: str, keep: torch.Tensor, block_size: int) -> None:
+        """Record one layer's eviction (verification mode only; ``record`` is None otherwise).
+
+        Resident j's true position: the recorded position of kept entry j of the previous
+        eviction for j below its count, else ``dead * block_size + j`` (written since, at its
+        logical slot). A request that started from an adopted cache (dead blocks but no
+        previous record) gets no positions: they were decided in another request.
+        """
+        self.record[layer] = keep.clone()
+        key = layer + ":positions"
+        prev = self.record.get(key)
+        if prev is None and self.dead:
+            return
+        heads = keep.shape[0]
+        start = 0 if prev is None else prev.shape[1]
+        width = max(int(keep.max()) + 1, start) if keep.numel() else start
+        fresh = self.dead * block_size + torch.arange(start, width, device=keep.device)
+        resident = fresh.expand(heads, -1)
+        if prev is not None:
+            resident = torch.cat([prev.to(keep.device), resident], dim=1)  # [Hkv, >= N]
+        self.record[key] = resident.gather(1, keep).cpu()
 
     def remember_queries(self, layer: str, q: torch.Tensor, window: int) -> None:
         """Keep the last ``window`` queries of the prompt seen so far (q [n, Hq, D])."""

@@ -34,6 +34,11 @@ What matches vLLM, step by step:
 4. Decoding feeds one token at a time with its TRUE position ``L + t`` (HF would otherwise
    derive ``K + t`` from the cache length). One query over K + t + 1 entries needs no mask.
 
+:func:`run_evicting` covers the rest of what the worker does, one step at a time: eviction
+after prefill chunks (``kv_prefill_evict``), at the compress point and at every decode step
+(``kv_decode``, with the pipeline's running scores), on a cache whose heads each hold their own
+entries and true positions.
+
 Glossary: L prompt tokens, W window queries, K kept per head, Hq/Hkv heads, D head dim.
 """
 
@@ -48,8 +53,9 @@ from torch import Tensor
 
 from obcache_vllm.eviction.messages import EvictionOrder
 from obcache_vllm.eviction.planning import plan_eviction
+from obcache_vllm.eviction.step import RequestKvState
 from obcache_vllm.options import KvOptions
-from obcache_vllm.scoring import HeadGeometry, Pipeline, Scorer
+from obcache_vllm.scoring import HeadGeometry, Pipeline, RunningScores, Scorer
 
 __all__ = [
     "Prefill",
@@ -59,6 +65,7 @@ __all__ = [
     "load_model",
     "make_scoring",
     "prefill",
+    "run_evicting",
     "select_kept",
 ]
 
@@ -306,3 +313,201 @@ def compress_and_generate(
     order, kept = select_kept(state, options, block_size)
     tokens, logits = generate(model, state, kept, max_new_tokens, eos_token_ids, ids[point:])
     return Result(kept=kept, token_ids=tokens, logits=logits, order=order)
+
+
+@dataclass
+class _Layer:
+    """One layer's compressed cache in the step-by-step reference."""
+
+    keys: Tensor  # [Hkv, T, D]
+    values: Tensor  # [Hkv, T, D]
+    positions: Tensor  # [Hkv, T] true positions of the resident entries
+    queries: Tensor | None = None  # the last window prompt queries [<= W, Hq, D]
+    running: RunningScores | None = None
+
+
+@dataclass(frozen=True)
+class Evicting:
+    """The outcome of :func:`run_evicting`.
+
+    ``kept``: per layer the true positions [Hkv, K] of the entries the last eviction kept
+    (empty dict: nothing was evicted). ``orders``: (logical_len, prefill) of every eviction,
+    ``history`` its kept positions (per layer [Hkv, K]). ``token_ids``/``logits`` as in
+    :class:`Result`.
+    """
+
+    kept: dict[int, Tensor]
+    orders: list[tuple[int, bool]]
+    history: list[dict[int, Tensor]]
+    token_ids: list[int]
+    logits: Tensor
+
+
+@torch.inference_mode()
+def run_evicting(
+    model,
+    input_ids: Tensor,
+    options: KvOptions,
+    block_size: int = 32,
+    max_new_tokens: int = 16,
+    prefill_ends: Collection[int] = (),
+    eos_token_ids: Collection[int] = (),
+) -> Evicting:
+    """The worker's eviction step by step: prefill segments, compress point, decode steps.
+
+    The prompt is computed in segments ending at each of ``prefill_ends`` (the prefill chunks
+    that ended where the engine evicted with ``kv_prefill_evict``: where vLLM cuts a prompt
+    into chunks is the scheduler's choice, not the eviction's), the compress point and the
+    prompt's end. After each segment and each decoded token the block rule decides, exactly
+    as the scheduler's ledger does: before the compress point only with ``kv_prefill_evict``,
+    at it always, after it at decode steps with ``kv_decode``. Scores follow the worker:
+
+    * window pipelines (snapkv, tova) score with the last ``window`` prompt queries seen so
+      far; with ``kv_decode`` those scores seed the running scores at the prompt's end;
+    * h2o adds every prompt query's scores segment by segment (its running sum);
+    * each decode query is scored against the resident entries and folded into the running
+      scores (summed, or replaced for tova and query-free scorers).
+
+    The causal key of resident j is its logical slot ``dead * block_size + j``, as in the
+    worker: exact whenever every scored query came after the last compaction, which holds
+    for decode queries and for prefill windows no longer than the chunk they end.
+    """
+    from transformers import DynamicCache
+
+    ids = input_ids.reshape(-1)
+    length = ids.numel()
+    point = options.compress_point(length)
+    scorer, pipeline = make_scoring(options)
+    mode = RequestKvState.create(options).decode_mode
+    geom = _geometry(model)
+    modules = _attention_modules(model)
+    window = pipeline.window  # None: every prompt query (h2o)
+    ends = sorted({e for e in prefill_ends if 0 < e < point} | {point, length})
+    layers: list[_Layer] = []
+    captured: dict[int, Tensor] = {}
+    dead, past_point = 0, False
+    orders: list[tuple[int, bool]] = []
+    history: list[dict[int, Tensor]] = []
+    kept: dict[int, Tensor] = {}
+
+    def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [1, n, E]
+        cos, sin = kwargs["position_embeddings"]  # [1, n, D]
+        n = hidden.shape[1]
+        q = module.q_proj(hidden).view(1, n, geom.num_q_heads, geom.head_dim).transpose(1, 2)
+        captured[module.layer_idx] = _rope(q, cos, sin)[0].transpose(0, 1).contiguous()
+
+    def forward(tokens: Tensor, start: int) -> Tensor:
+        """Run tokens [n] at positions start.. on the resident cache; returns last logits."""
+        data = [(lay.keys.unsqueeze(0), lay.values.unsqueeze(0)) for lay in layers]
+        cache = DynamicCache(ddp_cache_data=data, config=model.config) if data else None
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+        try:
+            positions = torch.arange(start, start + tokens.numel()).unsqueeze(0)
+            out = model(input_ids=tokens.reshape(1, -1), position_ids=positions,
+                        past_key_values=cache if cache is not None else DynamicCache(
+                            config=model.config), use_cache=True, logits_to_keep=1)  # fmt: skip
+        finally:
+            for handle in handles:
+                handle.remove()
+        new_pos = torch.arange(start, start + tokens.numel())
+        for i, layer in enumerate(out.past_key_values.layers[: len(modules)]):
+            k, v = layer.keys[0], layer.values[0]  # [Hkv, T + n, D]
+            if i < len(layers):
+                lay = layers[i]
+                heads = k.shape[0]
+                lay.positions = torch.cat([lay.positions, new_pos.expand(heads, -1)], dim=1)
+                lay.keys, lay.values = k, v
+            else:
+                layers.append(_Layer(k, v, new_pos.expand(k.shape[0], -1).clone()))
+        return out.logits[0, -1].float()
+
+    def evict_or_score(logical_len: int, prefill: bool, q_count: int) -> None:
+        """One step's scoring and, if the block rule allows, eviction (every layer)."""
+        nonlocal dead, past_point, kept
+        order = None
+        if not past_point:
+            if logical_len >= point or options.prefill_evict:
+                order = plan_eviction(logical_len=logical_len, budget=options.budget,
+                                      dead_blocks=dead, block_size=block_size)  # fmt: skip
+            past_point = logical_len >= point
+        elif options.decode and not prefill:
+            order = plan_eviction(logical_len=logical_len, budget=options.budget,
+                                  dead_blocks=dead, block_size=block_size)  # fmt: skip
+        prompt_end = prefill and logical_len >= length
+        new_kept = {}
+        for i, lay in enumerate(layers):
+            q_new = captured[i][-q_count:]  # [n, Hq, D] this step's queries
+            if prefill and window:
+                prev = lay.queries
+                lay.queries = q_new if prev is None else torch.cat([prev, q_new])[-window:]
+            every_query = prefill and window is None and pipeline.scored
+            if not (order is not None or every_query or (not prefill and options.decode)
+                    or (options.decode and prompt_end)):  # fmt: skip
+                continue
+            k_tok, v_tok = lay.keys.transpose(0, 1), lay.values.transpose(0, 1)  # [N, Hkv, D]
+            num_resident = k_tok.shape[0]
+            k_pos = dead * block_size + torch.arange(num_resident)
+            if lay.running is None and (options.decode or window is None or not prefill):
+                lay.running = RunningScores(k_tok.shape[1], mode=mode)
+            if not pipeline.scored:
+                scores = k_tok.new_zeros((k_tok.shape[1], num_resident))
+            elif prefill and window:
+                q = lay.queries
+                q_pos = torch.arange(logical_len - q.shape[0], logical_len)
+                scores = pipeline.prefill_scores(scorer, q, k_tok, v_tok, geom, q_pos, k_pos)
+                if lay.running is not None and prompt_end:
+                    lay.running.reset()
+                    lay.running.add(scores)
+            else:
+                q_pos = torch.arange(logical_len - q_new.shape[0], logical_len)
+                if prefill:
+                    step = pipeline.prefill_scores(scorer, q_new, k_tok, v_tok, geom, q_pos,
+                                                   k_pos)  # fmt: skip
+                else:
+                    step = scorer(q_new, k_tok, v_tok, geom, q_pos, k_pos)
+                lay.running.add(step)
+                scores = lay.running.scores
+            if order is None:
+                continue
+            keep = pipeline.select(
+                scores, keep=order.kept, recent=options.recent, sinks=options.sinks
+            )  # [Hkv, K]
+            index = keep.unsqueeze(-1).expand(-1, -1, lay.keys.shape[-1])
+            lay.keys = torch.gather(lay.keys, 1, index)
+            lay.values = torch.gather(lay.values, 1, index)
+            lay.positions = torch.gather(lay.positions, 1, keep)
+            if lay.running is not None and lay.running.length:
+                lay.running.gather(keep)
+            if logical_len >= point:
+                lay.queries = None
+            new_kept[i] = lay.positions.clone()
+        if order is not None:
+            dead = order.dead_after
+            orders.append((logical_len, prefill))
+            history.append(new_kept)
+            kept = new_kept
+
+    start = 0
+    logits = None
+    for end in ends:
+        if end <= start:
+            continue
+        logits = forward(ids[start:end], start)
+        evict_or_score(end, prefill=True, q_count=end - start)
+        start = end
+    tokens: list[int] = []
+    rows: list[Tensor] = []
+    stop = set(eos_token_ids)
+    position = length
+    for step in range(max_new_tokens):
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        rows.append(logits)
+        if token in stop or step == max_new_tokens - 1:
+            break
+        logits = forward(torch.tensor([token]), position)
+        position += 1
+        evict_or_score(position, prefill=False, q_count=1)
+    return Evicting(kept=kept, orders=orders, history=history, token_ids=tokens,
+                    logits=torch.stack(rows))  # fmt: skip

@@ -265,3 +265,139 @@ def test_compress_at_scores_the_prefix_and_the_rest_sees_only_kept_entries(model
     torch.testing.assert_close(result.logits[0], logits.float(), rtol=1e-4, atol=1e-4)
     full = ref.prefill(model, ids, query_window=0).logits
     assert not torch.allclose(result.logits[0], full, atol=1e-3)  # eviction mattered
+
+
+# --- run_evicting: eviction after prefill chunks and at decode steps ------------------------
+
+
+@pytest.mark.parametrize("pipeline", ["snapkv", "tova", "h2o", "streaming"])
+@pytest.mark.parametrize("compress_at", [None, 48])
+def test_run_evicting_without_decode_equals_compress_and_generate(model, pipeline, compress_at):
+    ids = _prompt(72, seed=5)
+    opts = dataclasses.replace(_opts(24, pipeline), compress_at=compress_at)
+    once = ref.compress_and_generate(model, ids, opts, block_size=BLOCK, max_new_tokens=6)
+    steps = ref.run_evicting(model, ids, opts, block_size=BLOCK, max_new_tokens=6)
+    assert steps.orders == [(compress_at or 72, True)]
+    assert steps.token_ids == once.token_ids
+    assert all(torch.equal(steps.kept[i], once.kept[i]) for i in range(NUM_LAYERS))
+    torch.testing.assert_close(steps.logits, once.logits, rtol=1e-4, atol=1e-4)
+
+
+def _masked_full_pass(model, ids: torch.Tensor, result) -> torch.Tensor:
+    """Logits [S, V] of one full pass over prompt + generated tokens in which a query at
+    position p, per layer and KV head, cannot see what the last eviction before it (an order
+    at logical length <= p) dropped: positions below that length and not kept by it."""
+    seq = torch.cat([ids, torch.tensor(result.token_ids[:-1], dtype=ids.dtype)])
+    total, group = seq.numel(), NUM_Q_HEADS // NUM_KV_HEADS
+    masks = []
+    for layer in range(NUM_LAYERS):
+        mask = torch.full((total, total), float("-inf")).triu(1)  # causal [S, S]
+        mask = mask.expand(NUM_Q_HEADS, total, total).clone()  # [Hq, S, S]
+        for (length, _), kept in zip(result.orders, result.history, strict=True):
+            hidden = torch.ones(NUM_KV_HEADS, length, dtype=torch.bool)
+            hidden.scatter_(1, kept[layer], False)
+            hidden = hidden.repeat_interleave(group, dim=0)  # [Hq, length]
+            rows = mask[:, length:, :length]  # queries at positions >= length
+            rows.masked_fill_(hidden.unsqueeze(1).expand_as(rows), float("-inf"))
+        masks.append(mask)
+    # Later orders hide more: applying them in order leaves each row with every eviction up
+    # to its position (an entry, once dropped, never comes back).
+
+    def make(layer: int):
+        def hook(module, args, kwargs):
+            kwargs["attention_mask"] = masks[layer].unsqueeze(0)
+            return args, kwargs
+
+        return hook
+
+    handles = [
+        layer.self_attn.register_forward_pre_hook(make(i), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)
+    ]
+    try:
+        with torch.inference_mode():
+            return model(input_ids=seq[None], use_cache=False).logits[0].float()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize(
+    "pipeline, scorer",
+    [
+        pytest.param("tova", "obcache_key", id="tova-last"),
+        pytest.param("h2o", "obcache_value", id="h2o-sum"),
+        pytest.param("snapkv", "obcache_joint", id="snapkv-sum"),
+        pytest.param("tova", "key_norm", id="query-free"),
+        pytest.param("streaming", "attn", id="streaming"),
+    ],
+)
+@pytest.mark.parametrize("prefill_evict", [False, True])
+def test_decode_and_chunk_eviction_equal_masking_the_full_cache(model, pipeline, scorer,
+                                                                prefill_evict):  # fmt: skip
+    """kv_decode (and kv_prefill_evict over three chunks): orders where the block rule puts
+    them, K within its bounds, sinks and the recent window kept, and every logit equal to the
+    full cache with each eviction's dropped entries masked from the queries after it."""
+    length, new, budget = 72, 30, 20
+    ids = _prompt(length, seed=6)
+    opts = dataclasses.replace(_opts(budget, pipeline, scorer), decode=True,
+                               prefill_evict=prefill_evict)  # fmt: skip
+    ends = (32, 56) if prefill_evict else ()
+    result = ref.run_evicting(model, ids, opts, block_size=BLOCK, max_new_tokens=new,
+                              prefill_ends=ends)  # fmt: skip
+    dead, expected = 0, []
+    for length_now, prefill in [(32, True), (56, True), (72, True)] + [
+        (length + t, False) for t in range(1, new)
+    ]:
+        if prefill and length_now < length and not prefill_evict:
+            continue
+        plan = plan_eviction(logical_len=length_now, budget=budget, dead_blocks=dead,
+                             block_size=BLOCK)  # fmt: skip
+        if plan is not None:
+            expected.append((length_now, prefill))
+            dead = plan.dead_after
+    assert result.orders == expected
+    assert sum(not p for _, p in result.orders) >= 3  # several decode evictions
+    for (length_now, _), kept in zip(result.orders, result.history, strict=True):
+        for idx in kept.values():
+            assert budget <= idx.shape[1] < budget + BLOCK
+            assert bool((idx[:, 1:] > idx[:, :-1]).all())  # sorted, unique positions
+            assert bool((idx[:, : opts.sinks] == torch.arange(opts.sinks)).all())
+            recent = torch.arange(length_now - opts.recent, length_now)
+            assert bool((idx[:, -opts.recent :] == recent).all())
+    full = _masked_full_pass(model, ids, result)
+    torch.testing.assert_close(result.logits, full[length - 1 :], rtol=1e-4, atol=1e-4)
+    if pipeline != "streaming":
+        kept = result.history[-1]
+        assert any(not torch.equal(k[0], k[1]) for k in kept.values())  # per head
+
+
+def test_a_registered_pipeline_runs_in_the_reference(model):
+    """Registered and nothing else: the reference asks the class for its window and mode."""
+    from obcache_vllm.scoring import Pipeline, register_pipeline, unregister_pipeline
+    from obcache_vllm.scoring.pipelines import _last_queries
+
+    @dataclasses.dataclass(frozen=True)
+    class LastThree(Pipeline):
+        name = "last_three_ref"
+        running_mode = "last"
+
+        @property
+        def window(self) -> int:
+            return 3
+
+        def prefill_scores(self, scorer, q, k, v, geom, q_pos=None, k_pos=None):
+            q, q_pos, k_pos = _last_queries(3, q, k, q_pos, k_pos)
+            return scorer(q, k, v, geom, q_pos, k_pos)
+
+    register_pipeline(LastThree)
+    try:
+        ids = _prompt(72, seed=7)
+        opts = dataclasses.replace(_opts(20, "last_three_ref"), decode=True)
+        assert opts.query_window == 3
+        result = ref.run_evicting(model, ids, opts, block_size=BLOCK, max_new_tokens=20)
+        assert result.orders[0] == (72, True) and len(result.orders) >= 3
+        full = _masked_full_pass(model, ids, result)
+        torch.testing.assert_close(result.logits, full[71:], rtol=1e-4, atol=1e-4)
+    finally:
+        unregister_pipeline("last_three_ref")

@@ -357,6 +357,8 @@ class EvictingRunnerMixin:
                         state.decode_slot = self.obcache_queries.acquire()
                 state.dead = order.dead_after
                 state.evictions += 1
+                if state.record is not None:
+                    state.record.setdefault(":orders", []).append((order.logical_len, row.prefill))
                 state.tokens_evicted += order.tokens_evicted
                 if order.logical_len <= row.prompt_len:  # during the prompt: the last one counts
                     state.kept_prompt = order.kept + row.prompt_len - order.logical_len

@@ -17,7 +17,7 @@ import sys
 def kept_counts(worker) -> dict:
     records = worker.model_runner.obcache_records or {}
     return {
-        rid: sorted({int(v.shape[1]) for k, v in rec.items() if not k.endswith(":window")})
+        rid: sorted({int(v.shape[1]) for k, v in rec.items() if ":" not in k})
         for rid, rec in records.items()
     }
 

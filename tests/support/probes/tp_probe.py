@@ -26,7 +26,7 @@ def kept_indices(worker) -> list[dict]:
 def records_of(runner) -> list[dict]:
     records = runner.obcache_records or {}
     return [
-        {layer: v.tolist() for layer, v in rec.items() if not layer.endswith(":window")}
+        {layer: v.tolist() for layer, v in rec.items() if ":" not in layer}
         for rec in records.values()
     ]
 
