@@ -59,6 +59,7 @@ Plain Python: no vLLM import.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -162,22 +163,24 @@ class KvOptions:
 
         The vLLM worker and the HF reference both call this, so they score identically.
         """
-        from obcache_vllm.scoring import make_pipeline, make_scorer
+        from obcache_vllm.scoring import make_scorer
 
-        kwargs = {"window": self.window} if self.pipeline == "snapkv" else {}
-        pipeline = make_pipeline(self.pipeline, per_head=self.per_head, **kwargs)
-        return make_scorer(self.scorer), pipeline
+        return make_scorer(self.scorer), self._pipeline
+
+    @functools.cached_property
+    def _pipeline(self):
+        """The pipeline object (its class says which options it takes; built once)."""
+        from obcache_vllm.scoring import make_pipeline, pipeline_class
+
+        kwargs = {name: getattr(self, name) for name in pipeline_class(self.pipeline).takes_options}
+        return make_pipeline(self.pipeline, per_head=self.per_head, **kwargs)
 
     @property
     def query_window(self) -> int:
-        """How many of the last prompt queries the prefill score needs (0: none, -1: all)."""
-        if self.pipeline == "snapkv":
-            return self.window
-        if self.pipeline == "tova":
-            return 1
-        if self.pipeline == "h2o":
-            return -1
-        return 0
+        """How many of the last prompt queries the prefill score needs (0: none, -1: all),
+        as the pipeline declares (its ``window``; None: every query)."""
+        window = self._pipeline.window
+        return -1 if window is None else window
 
     # -- the wire form: a versioned tuple of primitives (msgspec and pickle carry it) ------
     def to_wire(self) -> tuple:
@@ -300,13 +303,26 @@ def _check_room(budget: int, sinks: int, recent: int) -> None:
         )
 
 
+def _without_running_sums() -> str:
+    from obcache_vllm.scoring import pipeline_class, pipeline_names
+
+    names = [n for n in pipeline_names() if not pipeline_class(n).sums_every_query]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
+
+
+def _sums_every_query(pipeline: str) -> bool:
+    from obcache_vllm.scoring import pipeline_class
+
+    return pipeline_class(pipeline).sums_every_query
+
+
 def _check_session(request: KvRequest) -> None:
     """What a continued cache cannot carry (see ``kv_session`` above)."""
-    if request.pipeline == "h2o":
+    if _sums_every_query(request.pipeline):
         raise KvOptionsError(
             "kv_session",
-            "not supported with kv_pipeline h2o: its running sums of every query would have to "
-            "travel with the cache; use tova, snapkv or streaming",
+            f"not supported with kv_pipeline {request.pipeline}: its running sums of every "
+            f"query would have to travel with the cache; use {_without_running_sums()}",
             True,
         )
     for name, value in (("kv_compress_at", request.compress_at),
@@ -320,11 +336,11 @@ def _check_session(request: KvRequest) -> None:
 
 def _check_pressure(request: KvRequest) -> None:
     """What compression under pressure cannot do (see ``kv_when`` above)."""
-    if request.pipeline == "h2o":
+    if _sums_every_query(request.pipeline):
         raise KvOptionsError(
             "kv_when",
-            '"pressure" is not supported with kv_pipeline h2o: it would have to score every '
-            "query all along; use tova, snapkv or streaming",
+            f'"pressure" is not supported with kv_pipeline {request.pipeline}: it would have '
+            f"to score every query all along; use {_without_running_sums()}",
             "pressure",
         )
     for name, value in (("kv_compress_at", request.compress_at),
@@ -337,9 +353,9 @@ def _check_pressure(request: KvRequest) -> None:
 
 
 def _known_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    from obcache_vllm.scoring import PIPELINE_NAMES, SCORER_NAMES
+    from obcache_vllm.scoring import SCORER_NAMES, pipeline_names
 
-    return tuple(SCORER_NAMES), tuple(PIPELINE_NAMES)
+    return tuple(SCORER_NAMES), pipeline_names()
 
 
 def _check_scalar(key: str, value: Any) -> None:

@@ -38,6 +38,12 @@ class Pipeline:
     running_mode: ClassVar[Literal["sum", "last"] | None]
     # False: the pipeline never calls its scorer (its selection ignores scores).
     scored: ClassVar[bool] = True
+    # Request options (``KvOptions`` field names) passed to the constructor: snapkv's window.
+    takes_options: ClassVar[tuple[str, ...]] = ()
+    # Its scores sum every query it has seen, prompt and decode: that state would have to
+    # travel with a continued cache (``kv_session``) and could not start late (``kv_when``
+    # "pressure"), so both are refused for it.
+    sums_every_query: ClassVar[bool] = False
 
     per_head: bool = True
 
@@ -117,6 +123,7 @@ class SnapKV(Pipeline):
 
     name = "snapkv"
     running_mode = None
+    takes_options = ("window",)
 
     window: int = 64  # a field here, a read-only property in the other pipelines
     pooling: Literal["max", "avg", "none"] = "max"
@@ -157,6 +164,7 @@ class H2O(Pipeline):
 
     name = "h2o"
     running_mode = "sum"
+    sums_every_query = True
 
     chunk_elements: int = 1 << 23
 
@@ -248,7 +256,45 @@ class Streaming(Pipeline):
 
 
 _PIPELINES: dict[str, type[Pipeline]] = {cls.name: cls for cls in (SnapKV, H2O, TOVA, Streaming)}
+# The built-in pipelines; ``pipeline_names()`` also lists the ones registered since.
 PIPELINE_NAMES: tuple[str, ...] = tuple(_PIPELINES)
+
+
+def register_pipeline(cls: type[Pipeline]) -> type[Pipeline]:
+    """Make ``cls`` (a ``Pipeline`` subclass with a new ``name``) a ``kv_pipeline`` value.
+
+    Nothing else is needed: options validation, the eviction core, the HF reference and the
+    evaluation ask the class (``window``, ``running_mode``, ``scored``, ``takes_options``,
+    ``sums_every_query``), never its name. Usable as a class decorator.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Pipeline)):
+        raise TypeError(f"{cls!r} is not a Pipeline subclass")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name or name in _PIPELINES and _PIPELINES[name] is not cls:
+        raise ValueError(f"pipeline name {name!r} is missing or taken")
+    _PIPELINES[name] = cls
+    return cls
+
+
+def unregister_pipeline(name: str) -> None:
+    """Remove a pipeline registered with :func:`register_pipeline` (tests, plugins)."""
+    if name in PIPELINE_NAMES:
+        raise ValueError(f"{name!r} is built in")
+    _PIPELINES.pop(name, None)
+
+
+def pipeline_names() -> tuple[str, ...]:
+    """Every ``kv_pipeline`` value: the built-ins, then the registered ones."""
+    return tuple(_PIPELINES)
+
+
+def pipeline_class(name: str) -> type[Pipeline]:
+    """The class of the pipeline called ``name`` (ValueError naming the known ones)."""
+    try:
+        return _PIPELINES[name]
+    except KeyError:
+        known = ", ".join(_PIPELINES)
+        raise ValueError(f"unknown pipeline {name!r}; known: {known}") from None
 
 
 def make_pipeline(name: str, **kwargs) -> Pipeline:
@@ -257,10 +303,7 @@ def make_pipeline(name: str, **kwargs) -> Pipeline:
     Options: all take ``per_head`` (default True); snapkv ``window`` (64), ``pooling``
     ("max" | "avg" | "none"), ``kernel`` (7, odd); h2o ``chunk_elements``.
     """
-    try:
-        cls = _PIPELINES[name]
-    except KeyError:
-        raise ValueError(f"unknown pipeline {name!r}; known: {', '.join(PIPELINE_NAMES)}") from None
+    cls = pipeline_class(name)
     known = sorted(f.name for f in dataclasses.fields(cls))
     unknown = sorted(set(kwargs) - set(known))
     if unknown:

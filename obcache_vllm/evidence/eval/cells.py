@@ -33,7 +33,20 @@ from pathlib import Path
 
 SETTINGS = ("full", "query_aware", "query_agnostic")
 FULL = "full"
-POSITIONAL = (FULL, "streaming")  # methods that keep by position only
+
+
+def ranks(pipeline: str) -> bool:
+    """Whether ``pipeline`` ranks tokens by a score (the full cache and streaming do not)."""
+    from obcache_vllm.scoring import pipeline_class
+
+    return pipeline != FULL and pipeline_class(pipeline).scored
+
+
+def takes_window(pipeline: str) -> bool:
+    """Whether ``pipeline`` takes ``kv_window`` (snapkv's observation window)."""
+    from obcache_vllm.scoring import pipeline_class
+
+    return pipeline != FULL and "window" in pipeline_class(pipeline).takes_options
 
 
 @dataclass(frozen=True)
@@ -61,7 +74,7 @@ class Cell:
             raise ValueError("the full cache is setting 'full' with pipeline 'full'")
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget}")
-        if not self.per_head and self.pipeline in POSITIONAL:
+        if not self.per_head and not ranks(self.pipeline):
             raise ValueError(f"{self.pipeline!r} ranks nothing: per_head=False does not apply")
         if self.prefill_evict and self.pipeline == FULL:
             raise ValueError("the full cache evicts nothing: prefill_evict does not apply")
@@ -72,8 +85,8 @@ class Cell:
         layer), e.g. ``snapkv/obcache_key+w16`` or ``tova/attn/shared``."""
         if self.pipeline == FULL:
             return FULL
-        name = self.pipeline if self.pipeline == "streaming" else f"{self.pipeline}/{self.scorer}"
-        if self.pipeline == "snapkv":
+        name = f"{self.pipeline}/{self.scorer}" if ranks(self.pipeline) else self.pipeline
+        if takes_window(self.pipeline):
             name = f"{name}+w{self.window}"
         if self.prefill_evict:
             name = f"{name}+pe"
@@ -91,9 +104,9 @@ class Cell:
         if self.pipeline == FULL:
             return None
         args = {"kv_budget": self.budget_tokens(document_tokens), "kv_pipeline": self.pipeline}
-        if self.pipeline != "streaming":  # streaming has no score
+        if ranks(self.pipeline):  # streaming has no score
             args["kv_scorer"] = self.scorer
-        if self.pipeline == "snapkv":
+        if takes_window(self.pipeline):
             args["kv_window"] = self.window
         if self.setting == "query_agnostic":
             args["kv_compress_at"] = document_tokens

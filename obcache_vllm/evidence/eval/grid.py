@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from obcache_vllm.evidence.eval.cells import FULL, Cell
+from obcache_vllm.evidence.eval.cells import FULL, Cell, ranks, takes_window
 
 # How kvpress 0.5.5 selects, per press: SnapKV and ObservedAttention rank per KV head, TOVA
 # averages the last query's attention over all heads (one ranking per layer).
@@ -48,13 +48,13 @@ def grid(
             cells.append(Cell(task, length, FULL, FULL, "-", 1.0, **common))
         for setting, budget, pipeline in itertools.product(settings, budgets, pipelines):
             for pe in prefill_evicts:
-                if pipeline == "streaming":
+                if not ranks(pipeline):
                     cells.append(Cell(task, length, setting, pipeline, "-", budget,
                                       prefill_evict=pe, **common))  # fmt: skip
                     continue
                 selections = (KVPRESS_PER_HEAD[pipeline],) if engine == "kvpress" else per_heads
                 for scorer, per_head in itertools.product(scorers, selections):
-                    for w in windows if pipeline == "snapkv" else (0,):
+                    for w in windows if takes_window(pipeline) else (0,):
                         cells.append(Cell(task, length, setting, pipeline, scorer, budget,
                                           window=w, per_head=per_head, prefill_evict=pe,
                                           **common))  # fmt: skip

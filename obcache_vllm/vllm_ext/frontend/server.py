@@ -323,11 +323,11 @@ def _wrap_completion_response(original):
 
 def config_document() -> dict[str, Any]:
     """What ``GET /v1/obcache/config`` returns."""
-    from obcache_vllm.scoring import PIPELINE_NAMES, SCORER_NAMES
+    from obcache_vllm.scoring import SCORER_NAMES, pipeline_names
 
     return {
         "scorers": list(SCORER_NAMES),
-        "pipelines": list(PIPELINE_NAMES),
+        "pipelines": list(pipeline_names()),
         "request_fields": list(options.WIRE_FIELDS),
         "defaults": dict(server_defaults()),
         "policy": {
