@@ -3,8 +3,9 @@
 Sources, later wins:
 
 1. the built-in defaults (:data:`BUILTIN_DEFAULTS`, the values of :mod:`obcache_vllm.options`);
-2. the YAML file ``$OBCACHE_VLLM_CONFIG`` if set, else ``configs/default.yaml`` of the source
-   tree when present (an installed wheel has none and uses 1.);
+2. the YAML file ``$OBCACHE_VLLM_CONFIG`` if set, else the package's own
+   ``obcache_vllm/default.yaml`` (shipped in the wheel; ``configs/default.yaml`` of a checkout
+   is a link to it), so ``pip install`` and a checkout serve the same defaults;
 3. one environment variable per option: ``OBCACHE_KV_BUDGET``, ``OBCACHE_KV_SCORER``, ...
    (values are parsed as YAML scalars: ``0.25`` is a float, ``true`` a boolean, ``null`` none).
 
@@ -33,7 +34,7 @@ CONFIG_ENV = "OBCACHE_VLLM_CONFIG"
 ENV_PREFIX = "OBCACHE_KV_"
 MIN_PROMPT_KEY = "min_prompt_tokens"  # policy: the default budget's smallest prompt
 MIN_PROMPT_ENV = "OBCACHE_MIN_PROMPT_TOKENS"
-SOURCE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+PACKAGED_CONFIG = Path(__file__).resolve().parent / "default.yaml"
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "kv_budget": None,
@@ -68,7 +69,7 @@ def config_path(environ: Mapping[str, str]) -> Path | None:
     explicit = environ.get(CONFIG_ENV)
     if explicit:
         return Path(explicit)
-    return SOURCE_CONFIG if SOURCE_CONFIG.is_file() else None
+    return PACKAGED_CONFIG if PACKAGED_CONFIG.is_file() else None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -21,16 +21,60 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {config.CONFIG_ENV: str(REPO / "configs" / "default.yaml"), **extra}
 
 
-# configs/default.yaml: the built-in (paper) defaults, tuned for the default model where the
-# accuracy evidence says so (tova, one ranking per layer, snapkv window 1; README).
+# obcache_vllm/default.yaml (configs/default.yaml links to it): the built-in (paper) defaults,
+# tuned for the default model where the accuracy evidence says so (tova, one ranking per layer,
+# snapkv window 1; README).
 SHIPPED = {**config.BUILTIN_DEFAULTS, "kv_pipeline": "tova", "kv_window": 1, "kv_per_head": False}
 
 
 def test_shipped_config_file_is_the_builtin_defaults_tuned_for_the_default_model() -> None:
     assert config.load_defaults(_clean_env()) == SHIPPED
-    assert config.load_defaults({}) == SHIPPED  # source tree: the same file
+    assert config.load_defaults({}) == SHIPPED  # no variable: the packaged file
+    assert (REPO / "configs" / "default.yaml").resolve() == config.PACKAGED_CONFIG
     assert set(config.BUILTIN_DEFAULTS) == set(options.WIRE_FIELDS)
     assert (options.DEFAULT_PIPELINE, options.DEFAULT_WINDOW) == ("snapkv", 64)  # the paper's
+
+
+def test_an_installed_wheel_serves_the_checkouts_defaults(tmp_path: Path) -> None:
+    """The wheel built from this tree, unpacked alone (no checkout on the path, another working
+    directory): the same defaults, policy and pipelines as the checkout, from its own file."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(REPO)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("obcache_vllm-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    script = (
+        "import json, obcache_vllm\n"
+        "from obcache_vllm import config\n"
+        "from obcache_vllm.scoring import pipeline_names\n"
+        "p = config.load_policy({})\n"
+        "print(json.dumps({'file': obcache_vllm.__file__, 'config': str(config.config_path({})),"
+        " 'defaults': p.defaults, 'min_prompt_tokens': p.min_prompt_tokens,"
+        " 'pipelines': list(pipeline_names())}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OBCACHE_")}
+    env["PYTHONPATH"] = str(site)
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["file"].startswith(str(site)) and got["config"].startswith(str(site))
+    policy = config.load_policy({})
+    assert got["defaults"] == policy.defaults == {**SHIPPED}
+    assert got["min_prompt_tokens"] == policy.min_prompt_tokens
+    from obcache_vllm.scoring import pipeline_names
+
+    assert got["pipelines"] == list(pipeline_names())
 
 
 def test_file_then_environment_override(tmp_path: Path) -> None:
