@@ -1,6 +1,6 @@
 """Block arithmetic of eviction and the messages between scheduler and worker (stdlib only).
 
-Right-aligned compaction (DESIGN.md §4). Block ``i`` of a request always holds the logical
+Right-aligned compaction. Block ``i`` of a request always holds the logical
 token slots ``[i*bs, (i+1)*bs)``; vLLM allocates by length, so the block list stays positional.
 After eviction the request's first ``dead`` blocks are *dead* (replaced by vLLM's null block and
 returned to the pool) and its ``resident = L - dead*bs`` kept tokens fill the logical slots

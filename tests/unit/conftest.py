@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """Tiny tensors: extra OpenMP threads only add overhead (DESIGN.md section 6)."""
+    """Tiny tensors: extra OpenMP threads only add overhead (many small ops on 2 cores)."""
     import torch
 
     before = torch.get_num_threads()

@@ -225,3 +225,75 @@ def test_commands_use_no_lock_files_outside_the_page_that_explains_them() -> Non
     ]
     assert not found, "commands with /tmp lock files:\n" + "\n".join(found)
     assert LOCK.search(LOCK_PAGE.read_text()), "the explaining page lost its example"
+
+
+# --- references to the repository's own files, modules and functions --------------------------
+
+_REPO_DIRS = ("obcache_vllm/", "tests/", "docs/", "benchmarks/", "loadtest/", "scripts/",
+              "configs/", "deploy/", "examples/", ".ci/")  # fmt: skip
+_DIRS = "|".join(re.escape(p) for p in _REPO_DIRS)
+_REPO_PATH = re.compile(rf"(?<![\w./-])((?:{_DIRS})[\w./-]*\w)")
+_NOTE_FILE = re.compile(r"(?<![\w/.-])([A-Z][A-Z_]+\.md)\b")
+_DOTTED = re.compile(r"(?<![\w.])(obcache_vllm(?:\.\w+)+)")
+
+
+def _source_files() -> list[Path]:
+    skip = {".venv", "site", ".git", "results", "node_modules", "__pycache__"}
+    suffixes = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".cfg"}
+    return [
+        p for p in ROOT.rglob("*")
+        if p.suffix in suffixes and p.is_file() and not skip & set(p.relative_to(ROOT).parts)
+    ]  # fmt: skip
+
+
+def _top_level_names(path: Path) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _dotted_exists(name: str) -> bool:
+    """``obcache_vllm.a.b[.attr]``: a module of the package, and its top-level attribute."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:i])
+        for module in (base.with_suffix(".py"), base / "__init__.py"):
+            if module.exists():
+                rest = parts[i:]
+                return not rest or rest[0] in _top_level_names(module)
+    return False
+
+
+def test_no_file_module_or_function_named_is_missing() -> None:
+    """Docstrings, comments and pages name repository files (``tests/.../test_x.py``),
+    modules and their functions (``obcache_vllm.a.b.name``): each must exist, so a moved
+    test or a renamed function leaves no stale pointer behind. Working notes outside the
+    repository (DESIGN.md and the like) must not be cited at all."""
+    bad = []
+    for path in _source_files():
+        if path == Path(__file__).resolve():
+            continue  # this file names the absent notes on purpose
+        text = path.read_text(errors="ignore")
+        for match in _REPO_PATH.finditer(text):
+            target = match.group(1).rstrip(".")
+            if any(c in target for c in "*{<$"):
+                continue  # a pattern, not a file
+            if not (ROOT / target).exists() and not any(ROOT.glob(target + "*")):
+                bad.append(f"{_rel(path)}: {target}")
+        for match in _NOTE_FILE.finditer(text):
+            if match.group(1) in ABSENT or not any(ROOT.rglob(match.group(1))):
+                bad.append(f"{_rel(path)}: {match.group(1)}")
+        for match in _DOTTED.finditer(text):
+            if not _dotted_exists(match.group(1).rstrip(".")):
+                bad.append(f"{_rel(path)}: {match.group(1)}")
+    assert not bad, "\n".join(sorted(set(bad)))

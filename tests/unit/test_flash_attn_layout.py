@@ -4,7 +4,7 @@ Oracles (obcache_vllm.evidence.kernel_checks.paged): per-slot reads of the logic
 addressing), a pure-torch paged-attention reference reading the same block table and
 seq_lens, and SDPA over exactly the tokens each request must see. The same checks run on CUDA
 tensors in scripts/gpu_kernels_check.sh; the equivalence of these views with vLLM's own
-create_kv_cache_views is in tests/engine/test_flash_attn_adapter.py (it imports vLLM).
+create_kv_cache_views is in tests/vllm/test_flash_attn_adapter.py (it imports vLLM).
 """
 
 from __future__ import annotations

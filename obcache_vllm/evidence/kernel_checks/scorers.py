@@ -6,10 +6,10 @@ score of the head, and the kept sets (top quarter, per head) are compared.
 
 Cost: one layer of one request at prefill end, T resident tokens, the last W = 64 prompt queries
 (SnapKV's window) against a causal ``scaled_dot_product_attention`` prefill of the same T
-tokens and heads (what the attention of that layer costs anyway). The paper's claim (PAPER.md):
-the value score costs about what the attention-mass score costs, the key and joint scores a
-small constant more. The k/v passed are ``transpose(0, 1)`` views of [Hkv, T, D] tensors, the
-layout the FlashAttention view's gather produces.
+tokens and heads (what the attention of that layer costs anyway). The paper's claim (OBCache,
+arXiv 2510.07651): the value score costs about what the attention-mass score costs, the key
+and joint scores a small constant more. The k/v passed are ``transpose(0, 1)`` views of
+[Hkv, T, D] tensors, the layout the FlashAttention view's gather produces.
 
 Glossary: ``W`` window queries, ``T`` resident tokens, ``Hq``/``Hkv`` heads, ``D`` head dim.
 """
