@@ -6,7 +6,8 @@
 Every turn resends the whole conversation, as OpenAI clients do; with ``"kv_session": true``
 the server finds the cache the previous turn left (its tokens are a prefix of this prompt, same
 options), continues from it and compresses again at the end of this turn's prompt.
-``usage.obcache.session_turn`` counts the turns continued.
+``usage.obcache.session_turn`` is the turn's number in the session (2 for the first
+continuation; absent on a turn that started afresh).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main() -> None:
         answer = reply.choices[0].message.content
         messages.append({"role": "assistant", "content": answer})
         usage = reply.usage.model_extra["obcache"]
-        print(f"{turn!r} -> {answer!r}  session_turn={usage.get('session_turn', 0)} "
+        print(f"{turn!r} -> {answer!r}  session_turn={usage.get('session_turn')} "
               f"reused_tokens={usage.get('reused_tokens', 0)}")
 
 
