@@ -483,24 +483,18 @@ def run(llm, samples: Sequence[Sample], arm_list: Sequence[Arm], tokens: int,
 
 
 def main(args) -> int:
-    """``obcache-vllm eval fidelity`` (arguments from :mod:`...eval.command`)."""
-    import os
-
+    """``obcache-vllm eval fidelity`` (arguments from :mod:`obcache_vllm.evidence.eval.command`)."""
     if args.report_only is not None:
         results = json.loads(args.report_only.read_text())
         for path in write_reports(results, args.out):
             print(path)
         return 0
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from obcache_vllm.evidence.perplexity import in_process_engine
+
+    args.model = in_process_engine(args.model)
     from transformers import AutoTokenizer
     from vllm import LLM
 
-    if args.model is None:
-        from obcache_vllm import model as model_mod
-
-        args.model = str(model_mod.pull(log=lambda m: None))
     tok = AutoTokenizer.from_pretrained(args.model)
     samples = make_samples(tok, args.kinds, args.samples, args.prompt_tokens,
                            args.question_tokens, args.seed)  # fmt: skip

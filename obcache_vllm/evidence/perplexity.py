@@ -274,6 +274,20 @@ def write_reports(results: dict, out: Path, table_bin: int) -> str:
 # The engine part
 
 
+def in_process_engine(model: str | None) -> str:
+    """Settings of an evaluation engine whose core runs in this process (the evaluation reads
+    the scheduler or the worker's processor directly), set before vLLM starts; returns the
+    model directory (``None``: the default model, provisioned as ``obcache-vllm model pull``)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    if model is not None:
+        return model
+    from obcache_vllm import model as model_mod
+
+    return str(model_mod.pull(log=lambda m: None))
+
+
 def engine_kwargs(model: str, max_len: int, num_requests: int) -> dict:
     """vLLM settings of the perplexity engine (the project's CPU defaults, fp32)."""
     from obcache_vllm.evidence.forcing import FORCE_TOKENS_FQCN
@@ -387,16 +401,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"obcache-vllm ppl: error: {exc}", file=sys.stderr)
         return 2
     # In-process engine core: the run reads the scheduler (blocks held) between steps.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    args.model = in_process_engine(args.model)
     from transformers import AutoTokenizer
     from vllm import LLM
 
-    if args.model is None:
-        from obcache_vllm import model as model_mod
-
-        args.model = str(model_mod.pull(log=lambda m: None))
     tok = AutoTokenizer.from_pretrained(args.model)
     docs = [make_document(b, tok(t).input_ids, args.prompt_tokens, args.tokens)
             for b, t in texts.items()]

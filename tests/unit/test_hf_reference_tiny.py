@@ -9,6 +9,7 @@ model's own attention outputs; kept counts follow the block rule.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -235,33 +236,9 @@ def test_compress_at_scores_the_prefix_and_the_rest_sees_only_kept_entries(model
     assert result.order == order and order.logical_len == point
     assert all(torch.equal(result.kept[i], kept[i]) for i in kept)  # the rest is not scored
 
-    group = NUM_Q_HEADS // NUM_KV_HEADS
-
-    def make(layer: int):
-        mask = torch.full((length, length), float("-inf")).triu(1)  # causal [L, L]
-        mask = mask.expand(NUM_Q_HEADS, length, length).clone()  # [Hq, L, L]
-        hidden = torch.ones(NUM_KV_HEADS, point, dtype=torch.bool)
-        hidden.scatter_(1, kept[layer], False)
-        hidden = hidden.repeat_interleave(group, dim=0)  # [Hq, k]
-        rows = mask[:, point:, :point]  # [Hq, L-k, k]
-        rows.masked_fill_(hidden.unsqueeze(1).expand_as(rows), float("-inf"))
-
-        def hook(module, args, kwargs):
-            kwargs["attention_mask"] = mask.unsqueeze(0)
-            return args, kwargs
-
-        return hook
-
-    handles = [
-        layer.self_attn.register_forward_pre_hook(make(i), with_kwargs=True)
-        for i, layer in enumerate(model.model.layers)
-    ]
-    try:
-        with torch.inference_mode():
-            logits = model(input_ids=ids[None], use_cache=False).logits[0, -1]
-    finally:
-        for handle in handles:
-            handle.remove()
+    # One eviction at the point, nothing generated yet: rows >= point cannot see what it dropped.
+    single = SimpleNamespace(orders=[(point, True)], history=[kept], token_ids=[0])
+    logits = _masked_full_pass(model, ids, single)[-1]
     torch.testing.assert_close(result.logits[0], logits.float(), rtol=1e-4, atol=1e-4)
     full = ref.prefill(model, ids, query_window=0).logits
     assert not torch.allclose(result.logits[0], full, atol=1e-3)  # eviction mattered
