@@ -7,7 +7,8 @@
                                         server policy: --default-kv-budget 0.25
                                         --default-kv-when pressure --default-min-prompt-tokens N
                                         (any kv_* option: --default-kv-<name> VALUE)
-    obcache-vllm eval run|report|kvpress  accuracy evidence (see obcache_vllm/evidence/eval/)
+    obcache-vllm eval run|report|kvpress|sessions|fidelity  accuracy and fidelity evidence
+                                        (see obcache_vllm/evidence/eval/command.py)
 
 Import cost: stdlib only; vLLM is imported by ``serve`` after the environment is set.
 """

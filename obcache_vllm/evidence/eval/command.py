@@ -75,7 +75,8 @@ def _grid_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="accuracy of eviction methods on RULER-style tasks")
+    p = sub.add_parser("eval", help="accuracy (RULER-style tasks, sessions) and fidelity to the "
+                       "full cache of eviction methods")
     esub = p.add_subparsers(dest="eval_command", required=True)
     _grid_options(esub.add_parser("run", help="compute the missing cells of a grid, then report"))
     rep = esub.add_parser("report", help="write results.json, RESULTS.md and PNG plots")
