@@ -323,7 +323,8 @@ class RequestBlocks:
         return num_computed_tokens - self.dead * self.block_size
 
     def outcome(self, resident: int) -> dict:
-        """The request's KV outcome as reported to the client (``usage.obcache``)."""
+        """The request's KV outcome as reported to the client (``usage.obcache``); every key
+        is one of :data:`USAGE_FIELDS`."""
         outcome = {
             "resident_tokens": resident,
             "evicted_tokens": self.tokens_evicted,
@@ -348,6 +349,36 @@ class RequestBlocks:
             outcome["fault"] = self.disabled
         return outcome
 
+
+
+# ``usage.obcache``: every key a response may carry, and what it means (the REST reference,
+# docs/reference/rest.md, is generated from this table; the server tests check every key they
+# see is here). The block size in the descriptions is the request's engine's (32 by default).
+USAGE_FIELDS: dict[str, str] = {
+    "resident_tokens": "KV tokens (per layer and KV head) in the cache when the request "
+    "finished: the kept prompt plus the generated tokens but the last (whose KV is never "
+    "computed)",
+    "evicted_tokens": "tokens evicted, prefill and decode (`kv_decode`) together",
+    "freed_blocks": "KV blocks returned to vLLM's pool (`evicted_tokens` / block size)",
+    "evictions": "evictions applied (1 at the end of the prefill, plus one per freed block "
+    "with `kv_decode`, one per prefill chunk with `kv_prefill_evict`)",
+    "prompt_tokens_kept": "prompt tokens left by the prefill eviction (`budget <= kept < "
+    "budget + block size`); the prompt's length when nothing was evicted",
+    "budget": "the budget used, in tokens (a fractional `kv_budget` resolved against the "
+    "prompt, or against `kv_compress_at`)",
+    "scorer": "the scorer used",
+    "pipeline": "the pipeline used",
+    "cached_tokens": "prompt tokens read from vLLM's prefix cache (stock KV, exact)",
+    "reused_tokens": "prompt tokens taken from a cached compressed context",
+    "reused_from": 'which kind of compressed context: "compress_at" or "session"',
+    "session_turn": "with `kv_session`: this turn's number in the session (2 for the first "
+    "continuation)",
+    "pressure": 'with `kv_when: "pressure"`: `{"reason": "running" | "admission", '
+    '"at_tokens": L}`, why and at which length it was compressed',
+    "fault": "only when an eviction fault was contained to this request: why it continued "
+    "uncompressed (`stage: reason`)",
+    "requests": "a completion with several prompts: how many (the counts above are summed)",
+}
 
 @dataclass(frozen=True)
 class FinishedKvRecord:

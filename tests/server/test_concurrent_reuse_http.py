@@ -15,6 +15,7 @@ import time
 from support.server import MODEL_NAME, Server
 
 from obcache_vllm import metrics as M
+from obcache_vllm.eviction.ledger import USAGE_FIELDS
 from obcache_vllm.textgen import haystack
 
 STAGGER_S = (0.0, 0.05, 0.15, 0.3, 0.6, 1.0, 2.0)
@@ -62,6 +63,7 @@ def test_questions_over_one_document_sent_at_once_match_each_alone(server: Serve
         return {**b, "cache_salt": salt} if salt else b
 
     together = _post_all(server, "/v1/completions", [body(q) for q in questions])
+    assert all(set(r["usage"]["obcache"]) <= set(USAGE_FIELDS) for r in together)
     reused = [r["usage"]["obcache"].get("reused_tokens") for r in together]
     assert sum(1 for n in reused if n == len(doc)) >= 2, reused  # followers adopted the entry
     for i, (q, got) in enumerate(zip(questions, together, strict=True)):
@@ -91,6 +93,7 @@ def test_follow_up_turns_of_one_chat_sent_at_once_match_each_alone(server: Serve
     assert status == 200
     answer = opened["choices"][0]["message"]["content"]
     together = _post_all(server, "/v1/chat/completions", [chat(m) for m in branches(answer)])
+    assert all(set(r["usage"]["obcache"]) <= set(USAGE_FIELDS) for r in together)
     turns = [r["usage"]["obcache"].get("session_turn") for r in together]
     assert turns.count(2) >= 2, turns  # the follow-ups continued the first turn's cache
     for i, got in enumerate(together):

@@ -48,8 +48,11 @@ def _eventually(check, timeout_s: float = 30.0, every_s: float = 0.25):
 
 
 def _obcache_usage(usage) -> dict:
+    from obcache_vllm.eviction.ledger import USAGE_FIELDS
+
     extra = usage.model_extra or {}
     assert "obcache" in extra, usage
+    assert set(extra["obcache"]) <= set(USAGE_FIELDS), extra["obcache"]  # the documented keys
     return extra["obcache"]
 
 

@@ -299,11 +299,11 @@ def test_no_file_module_or_function_named_is_missing() -> None:
     assert not bad, "\n".join(sorted(set(bad)))
 
 
-def test_the_cli_reference_is_generated_from_the_parsers() -> None:
-    """docs/reference/cli.md is what scripts/gen_cli_reference.py writes from the code."""
+def test_the_reference_pages_are_generated_from_the_code() -> None:
+    """docs/reference/{cli,rest}.md are what scripts/gen_reference.py writes from the code."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_cli_reference.py"),
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_reference.py"),
                            "--check"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,161 @@
+"""Write the reference pages from the code: docs/reference/cli.md (the command's argument
+parsers) and docs/reference/rest.md (the kv_* request fields of ``obcache_vllm.options``, their
+built-in and shipped defaults, the ``usage.obcache`` keys of
+``obcache_vllm.eviction.ledger.USAGE_FIELDS``, the config endpoint).
+
+    .venv/bin/python scripts/gen_reference.py          # rewrite the pages
+    .venv/bin/python scripts/gen_reference.py --check  # exit 1 if a page is stale
+
+tests/unit/test_docs.py runs the check, so the pages cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = {name: ROOT / "docs" / "reference" / f"{name}.md" for name in ("cli", "rest")}
+
+HEADER = """# Command-line reference
+
+Generated from the parsers of `obcache-vllm` by `scripts/gen_reference.py` (a docs test
+fails when this page and the code disagree). Every command: `obcache-vllm <command> --help`.
+
+`obcache-vllm serve` passes its arguments to vLLM's own `vllm serve` (`obcache-vllm serve
+--help` prints vLLM's options) after these defaults, which any argument overrides:
+`{serve_defaults}`; it also takes the server policy's flags, `--default-kv-<name> VALUE` for
+any of {fields} and `--default-min-prompt-tokens N` (see [The server](../user_guide/server.md)).
+"""
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:  # argparse keeps no public list of subcommands
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def render_cli() -> str:
+    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: a fixed width here
+    from obcache_vllm import cli, config
+    from obcache_vllm.evidence import perplexity
+
+    parser = cli._parser()
+    sections = [("obcache-vllm", parser)]
+    for name, sub in _subparsers(parser).items():
+        if name == "serve":
+            continue  # vLLM's parser: described in the header
+        if name == "ppl":
+            sections.append(("obcache-vllm ppl", perplexity._parser()))
+            continue
+        sections.append((f"obcache-vllm {name}", sub))
+        for child, subsub in _subparsers(sub).items():
+            sections.append((f"obcache-vllm {name} {child}", subsub))
+    names = [f.removeprefix("kv_").replace("_", "-") for f in config.BUILTIN_DEFAULTS
+             if f not in config.PER_REQUEST_ONLY]  # fmt: skip
+    fields = ", ".join(f"`{n}`" for n in names)
+    out = [HEADER.format(serve_defaults=" ".join(cli.SERVE_DEFAULT_ARGS), fields=fields)]
+    for title, sub in sections:
+        sub.prog = title
+        out.append(f"## `{title}`\n\n```text\n{sub.format_help().rstrip()}\n```\n")
+    return "\n".join(out)
+
+
+REST_HEADER = """# REST extension reference
+
+Generated from the code by `scripts/gen_reference.py` (a docs test fails when this page and the
+code disagree). The server is vLLM's OpenAI-compatible server; obcache-vllm adds request fields,
+a usage field and one endpoint. The semantics in depth: [KV options](../user_guide/options.md),
+[The KV outcome](../user_guide/usage.md), [The server](../user_guide/server.md).
+
+## Request fields
+
+On `/v1/completions` and `/v1/chat/completions`, as top-level JSON fields (`extra_body` in the
+`openai` client) or inside `vllm_xargs` (top-level wins); offline, in `SamplingParams.extra_args`.
+A request without `kv_budget` (and no server default budget) is served by stock vLLM. A bad
+value is an HTTP 400 naming the field. "built-in": the option's own default (the offline
+engine); "server": the shipped server default (`obcache_vllm/default.yaml`), which
+`OBCACHE_VLLM_CONFIG`, `OBCACHE_KV_<NAME>` and `--default-kv-<name>` change.
+
+| field | meaning | built-in | server |
+| --- | --- | --- | --- |
+"""
+
+
+def _option_rows() -> dict[str, str]:
+    """field -> meaning, from the table in ``obcache_vllm.options``' docstring."""
+    import re
+
+    from obcache_vllm import options
+
+    lines = options.__doc__.splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
+    body = lines[rules[1] + 1 : rules[2]]
+    rows: dict[str, str] = {}
+    field = None
+    for line in body:
+        if line[:16].strip():
+            field = line[:16].strip()
+            rows[field] = line[16:].strip()
+        elif field is not None and line.strip():
+            rows[field] = (rows[field] + " " + line.strip()).strip()
+    return {k: re.sub(r"``([^`]+)``", r"`\1`", v) for k, v in rows.items()}
+
+
+def _json(value) -> str:
+    import json
+
+    return "-" if value is None else f"`{json.dumps(value)}`"
+
+
+def render_rest() -> str:
+    from obcache_vllm import config, options
+    from obcache_vllm.eviction.ledger import USAGE_FIELDS
+
+    rows = _option_rows()
+    missing = sorted(set(options.WIRE_FIELDS) - set(rows))
+    if missing:
+        raise SystemExit(f"obcache_vllm.options' table lacks {missing}")
+    shipped = config.load_defaults({})
+    out = [REST_HEADER]
+    for field in options.WIRE_FIELDS:
+        meaning = rows[field].replace("|", "\\|")
+        builtin = config.BUILTIN_DEFAULTS[field]
+        out.append(f"| `{field}` | {meaning} | {_json(builtin)} | {_json(shipped[field])} |\n")
+    out.append(
+        "\n## `usage.obcache`\n\nEvery budgeted response's `usage` carries `obcache` (in the "
+        "final chunk of a stream with `stream_options.include_usage`); offline, "
+        "`RequestOutput.kv_transfer_params[\"obcache\"]`. Keys:\n\n| key | meaning |\n"
+        "| --- | --- |\n"
+    )
+    for key, meaning in USAGE_FIELDS.items():
+        out.append(f"| `{key}` | {meaning.replace('|', chr(92) + '|')} |\n")
+    out.append(
+        "\n## `GET /v1/obcache/config`\n\nThe server's scorers, pipelines, request fields, "
+        "active defaults and policy (`config_document()` in "
+        "`obcache_vllm/vllm_ext/frontend/server.py`): keys `scorers`, `pipelines`, "
+        "`request_fields`, `defaults`, `policy` (`default_budget`, `when`, "
+        f"`{config.MIN_PROMPT_KEY}`, `opt_out`), `usage_field`.\n"
+    )
+    return "".join(out)
+
+
+def main() -> int:
+    texts = {"cli": render_cli(), "rest": render_rest()}
+    stale = [p for name, p in PAGES.items() if not p.is_file() or p.read_text() != texts[name]]
+    if "--check" in sys.argv[1:]:
+        for page in stale:
+            print(f"{page.relative_to(ROOT)} is stale: run scripts/gen_reference.py")
+        return 1 if stale else 0
+    for name, page in PAGES.items():
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(texts[name])
+        print(page.relative_to(ROOT))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
