@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from obcache_vllm.evidence.eval.cells import ranks, takes_window
-from obcache_vllm.evidence.forcing import ForceTokensProcessor
+from obcache_vllm.evidence.forcing import ForceTokensProcessor, track_rows
 
 FIDELITY_KEY = "fidelity"
 FIDELITY_FQCN = "obcache_vllm.evidence.fidelity:FidelityProcessor"
@@ -118,24 +118,9 @@ class FidelityProcessor(ForceTokensProcessor):
 
     def update_state(self, batch_update) -> None:
         super().update_state(batch_update)
-        if batch_update is None:
-            return
-        from vllm.v1.sample.logits_processor import MoveDirectionality
-
-        for index in batch_update.removed:
-            self.fidelity.pop(index, None)
-        for index, params, _prompt, outputs in batch_update.added:
-            spec = (getattr(params, "extra_args", None) or {}).get(FIDELITY_KEY)
-            if spec is None:
-                self.fidelity.pop(index, None)
-            else:
-                self.fidelity[index] = (list(spec), outputs)
-        for src, dst, direction in batch_update.moved:
-            a, b = self.fidelity.pop(src, None), self.fidelity.pop(dst, None)
-            if a is not None:
-                self.fidelity[dst] = a
-            if direction == MoveDirectionality.SWAP and b is not None:
-                self.fidelity[src] = b
+        track_rows(self.fidelity, batch_update, lambda params, outputs: (
+            None if (spec := (getattr(params, "extra_args", None) or {}).get(FIDELITY_KEY))
+            is None else (list(spec), outputs)))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for index, (spec, outputs) in self.fidelity.items():

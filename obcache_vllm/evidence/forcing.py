@@ -65,23 +65,8 @@ class ForceTokensProcessor(LogitsProcessor):
         return False  # it decides the argmax: must run before greedy sampling
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        # Order required by vLLM's BatchUpdate contract: removed, added, moved.
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for index, params, _prompt, outputs in batch_update.added:
-            tokens = _forced_tokens(params)
-            if tokens is None:
-                self.rows.pop(index, None)  # an added request may replace a forced one
-            else:
-                self.rows[index] = (list(tokens), outputs)
-        for src, dst, direction in batch_update.moved:
-            a, b = self.rows.pop(src, None), self.rows.pop(dst, None)
-            if a is not None:
-                self.rows[dst] = a
-            if direction == MoveDirectionality.SWAP and b is not None:
-                self.rows[src] = b
+        track_rows(self.rows, batch_update, lambda params, outputs: (
+            None if (tokens := _forced_tokens(params)) is None else (list(tokens), outputs)))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         rows, tokens = [], []
@@ -96,6 +81,30 @@ class ForceTokensProcessor(LogitsProcessor):
             logits[r] = float("-inf")
             logits[r, t] = 0.0
         return logits
+
+
+def track_rows(rows: dict, batch_update: BatchUpdate | None, entry) -> None:
+    """Keep ``rows`` (batch row -> state) in step with vLLM's persistent batch.
+
+    ``entry(params, outputs)`` is an added request's state, or None when it does not opt in.
+    The order is vLLM's ``BatchUpdate`` contract: removed, added (an added request may replace
+    a tracked one in its row), moved (or swapped)."""
+    if batch_update is None:
+        return
+    for index in batch_update.removed:
+        rows.pop(index, None)
+    for index, params, _prompt, outputs in batch_update.added:
+        value = entry(params, outputs)
+        if value is None:
+            rows.pop(index, None)
+        else:
+            rows[index] = value
+    for src, dst, direction in batch_update.moved:
+        a, b = rows.pop(src, None), rows.pop(dst, None)
+        if a is not None:
+            rows[dst] = a
+        if direction == MoveDirectionality.SWAP and b is not None:
+            rows[src] = b
 
 
 def check_logprobs_mode(mode: str) -> None:
