@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full \
+.PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity
 
 setup:
@@ -72,6 +72,11 @@ bench-full: setup
 		long-4k-b1 long-4k-b8 long-7k-b1 long-7k-b8 --out results/bench
 	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --workloads equal-32 equal-64 --repeats 3 \
 		--out results/bench-equal
+
+## vLLM's own client (vllm bench serve): stock vs the server's default-budget policy, shared
+## prefixes that fit and that do not, unique prompts (~30 min; results/bench-vllm-serve)
+bench-serve: setup
+	PYTHONPATH=. $(PY) benchmarks/bench_vllm_serve.py --out results/bench-vllm-serve $(ARGS)
 
 ## Rebuild the cached model from the packaged GGUF
 clean-model: setup

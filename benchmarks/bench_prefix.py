@@ -21,7 +21,9 @@ Arms (``--arms``): ``stock``; ``compress_at`` (docs: ``kv_budget`` 0.25 of the d
 ``kv_compress_at`` = its length: compressed once, reused by every later question);
 ``whole`` (``kv_budget`` 0.25 over the whole prompt, every request compresses its own);
 ``session`` (chat: ``kv_session``, the turns continue the previous turn's compressed cache);
-``stateless`` (chat: ``kv_budget`` 0.25 + ``kv_decode``, every turn compressed anew).
+``stateless`` (chat: ``kv_budget`` 0.25 + ``kv_decode``, every turn compressed anew);
+``policy`` (docs and chat: requests as stock's, no kv_* field; the server's default budget
+``OBCACHE_KV_BUDGET=0.25`` with the policy's default compress point ``auto``).
 The plugin arms use the server's default scoring (configs/default.yaml: tova, obcache_key).
 
 Usage::
@@ -102,7 +104,7 @@ class ArmResult:
 
 
 def _arm_body(arm: str, workload: str, doc_tokens: int | None) -> dict:
-    if arm == "stock":
+    if arm in ("stock", "policy"):
         return {}
     if arm == "compress_at":
         return {"kv_budget": 0.25, "kv_compress_at": doc_tokens}
@@ -117,7 +119,7 @@ def _arm_body(arm: str, workload: str, doc_tokens: int | None) -> dict:
 
 def _applies(arm: str, workload: str) -> bool:
     docs = workload.startswith("docs")
-    return arm == "stock" or (arm in ("compress_at", "whole")) == docs
+    return arm in ("stock", "policy") or (arm in ("compress_at", "whole")) == docs
 
 
 async def _stream(session, url: str, path: str, body: dict) -> tuple[int, float | None, float,
@@ -252,6 +254,8 @@ def run_arm(workload: str, arm: str, args, tokenizer) -> ArmResult:
     if pool:
         server_args += ["--num-gpu-blocks-override", str(pool)]
     env = {"VLLM_PLUGINS": ""} if arm == "stock" else {}
+    if arm == "policy":
+        env["OBCACHE_KV_BUDGET"] = "0.25"
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # one core: the client and the server beside it
     out = args.out / f"{workload}.{arm}.server.log"
     result = ArmResult(workload, arm)
@@ -337,7 +341,7 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--arms", nargs="+",
-                    default=["stock", "compress_at", "whole", "stateless", "session"])
+                    default=["stock", "compress_at", "whole", "stateless", "session", "policy"])
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--quick", action="store_true", help="fewer groups and questions")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench-prefix")

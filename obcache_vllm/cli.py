@@ -64,9 +64,11 @@ POLICY_PREFIX = "--default-"
 
 
 def split_policy_args(user_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """``--default-kv-<name> VALUE`` / ``--default-min-prompt-tokens N`` (also ``=VALUE``) taken
-    out of the server arguments, as the environment variables that set them
-    (``OBCACHE_KV_<NAME>``, ``OBCACHE_MIN_PROMPT_TOKENS``; see :mod:`obcache_vllm.config`).
+    """``--default-kv-<name> VALUE`` / ``--default-min-prompt-tokens N`` /
+    ``--default-compress-at auto|null`` (also ``=VALUE``) taken out of the server arguments, as
+    the environment variables that set them (``OBCACHE_KV_<NAME>``,
+    ``OBCACHE_MIN_PROMPT_TOKENS``, ``OBCACHE_POLICY_COMPRESS_AT``; see
+    :mod:`obcache_vllm.config`).
 
     Raises:
         config.ConfigError: an unknown policy flag or one without a value.
@@ -86,15 +88,15 @@ def split_policy_args(user_args: Sequence[str]) -> tuple[list[str], dict[str, st
                 raise config.ConfigError(f"{arg} needs a value")
             value, i = args[i + 1], i + 1
         field = name.replace("-", "_")
-        if field == config.MIN_PROMPT_KEY:
-            env[config.MIN_PROMPT_ENV] = value
+        if field in config.POLICY_KEYS:
+            env[config.POLICY_KEYS[field][0]] = value
         elif field in config.BUILTIN_DEFAULTS:
             env[config.env_name(field)] = value
         else:
             flags = (f"{POLICY_PREFIX}{f.replace('_', '-')}" for f in config.BUILTIN_DEFAULTS)
             known = ", ".join(flags)
-            raise config.ConfigError(f"unknown policy flag {arg}; known: {known}, "
-                                     f"{POLICY_PREFIX}min-prompt-tokens")  # fmt: skip
+            policy = ", ".join(f"{POLICY_PREFIX}{k.replace('_', '-')}" for k in config.POLICY_KEYS)
+            raise config.ConfigError(f"unknown policy flag {arg}; known: {known}, {policy}")
         i += 1
     return rest, env
 

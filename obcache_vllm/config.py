@@ -17,7 +17,16 @@ when the pool is short) applies to every request that sets no budget, or, with
 ``min_prompt_tokens`` (YAML key, or ``OBCACHE_MIN_PROMPT_TOKENS``), only to prompts of at least
 that many tokens. A request opts out with ``"kv_budget": null``. Where a budget from the policy
 cannot be served (a refused configuration or request) the request is served as stock vLLM
-instead of refused: the client did not ask for it. Plain Python: no vLLM import.
+instead of refused: the client did not ask for it.
+
+Where the policy's budget applies, it compresses at ``compress_at`` (YAML key, or
+``OBCACHE_POLICY_COMPRESS_AT``): ``auto`` (the default) is ``kv_compress_at: "auto"``, the
+longest prefix the prompt shares with recent prompts (see
+:mod:`obcache_vllm.eviction.sightings`), so a shared document is compressed once and reused
+as stock vLLM reuses it from its prefix cache; ``null`` compresses every prompt whole. It
+applies only where the request's options allow a compress point (not with ``kv_session``,
+``kv_when: pressure`` or ``kv_prefill_evict``) and the client set no ``kv_compress_at``.
+Plain Python: no vLLM import.
 """
 
 from __future__ import annotations
@@ -34,6 +43,13 @@ CONFIG_ENV = "OBCACHE_VLLM_CONFIG"
 ENV_PREFIX = "OBCACHE_KV_"
 MIN_PROMPT_KEY = "min_prompt_tokens"  # policy: the default budget's smallest prompt
 MIN_PROMPT_ENV = "OBCACHE_MIN_PROMPT_TOKENS"
+COMPRESS_AT_KEY = "compress_at"  # policy: where the default budget compresses
+COMPRESS_AT_ENV = "OBCACHE_POLICY_COMPRESS_AT"
+# The policy's own keys (beside the kv_* defaults): YAML key -> (environment variable, default).
+POLICY_KEYS: dict[str, tuple[str, Any]] = {
+    MIN_PROMPT_KEY: (MIN_PROMPT_ENV, 0),
+    COMPRESS_AT_KEY: (COMPRESS_AT_ENV, options.AUTO),
+}
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "default.yaml"
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -95,11 +111,10 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
     default budget the other options are checked against a stand-in budget; a fractional budget
     is checked against a long prompt (its value for short prompts is checked per request).
     """
-    unknown = sorted(set(defaults) - set(options.WIRE_FIELDS) - {MIN_PROMPT_KEY})
+    unknown = sorted(set(defaults) - set(options.WIRE_FIELDS) - set(POLICY_KEYS))
     if unknown:
-        raise ConfigError(
-            f"{source}: unknown key {unknown[0]!r}; known: {', '.join(options.WIRE_FIELDS)}"
-        )
+        known = ", ".join((*options.WIRE_FIELDS, *POLICY_KEYS))
+        raise ConfigError(f"{source}: unknown key {unknown[0]!r}; known: {known}")
     fixed = [k for k in PER_REQUEST_ONLY if defaults.get(k) is not None]
     if fixed:
         raise ConfigError(
@@ -108,7 +123,12 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
     threshold = defaults.get(MIN_PROMPT_KEY, 0)
     if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
         raise ConfigError(f"{source}: {MIN_PROMPT_KEY} must be an integer >= 0, got {threshold!r}")
-    probe = {k: v for k, v in defaults.items() if v is not None and k != MIN_PROMPT_KEY}
+    point = defaults.get(COMPRESS_AT_KEY, options.AUTO)
+    if point not in (options.AUTO, None):
+        raise ConfigError(
+            f"{source}: {COMPRESS_AT_KEY} must be {options.AUTO!r} or null, got {point!r}"
+        )
+    probe = {k: v for k, v in defaults.items() if v is not None and k not in POLICY_KEYS}
     probe.setdefault("kv_budget", 1 << 20)
     try:
         options.parse_kv_options(probe, num_prompt_tokens=1 << 20)
@@ -122,17 +142,39 @@ class Policy:
 
     defaults: dict[str, Any]
     min_prompt_tokens: int = 0
+    compress_at: str | None = options.AUTO
 
     def document(self) -> dict[str, Any]:
-        return {"defaults": dict(self.defaults), MIN_PROMPT_KEY: self.min_prompt_tokens}
+        return {
+            "defaults": dict(self.defaults),
+            MIN_PROMPT_KEY: self.min_prompt_tokens,
+            COMPRESS_AT_KEY: self.compress_at,
+        }
+
+    def fields_for(self, requested: Mapping[str, Any]) -> dict[str, Any]:
+        """The kv_* options of one request under this policy (:func:`merge_request`, then
+        the policy's compress point where its budget applies and the options allow one)."""
+        merged = merge_request(self.defaults, requested)
+        if (
+            self.compress_at is not None
+            and "kv_budget" not in requested
+            and merged.get("kv_budget") is not None
+            and merged.get("kv_compress_at") is None
+            and not merged.get("kv_session")
+            and not merged.get("kv_prefill_evict")
+            and merged.get("kv_when", "always") == "always"
+        ):
+            merged["kv_compress_at"] = self.compress_at
+        return merged
 
 
 def load_policy(environ: Mapping[str, str] | None = None) -> Policy:
-    """The validated policy: defaults of every wire field (``None``: no default), threshold."""
+    """The validated policy: defaults of every wire field (``None``: no default), its keys."""
     environ = os.environ if environ is None else environ
     defaults = load_defaults(environ, keep_policy=True)
     threshold = defaults.pop(MIN_PROMPT_KEY, 0)
-    return Policy(defaults, threshold)
+    point = defaults.pop(COMPRESS_AT_KEY, options.AUTO)
+    return Policy(defaults, threshold, point)
 
 
 def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = False) -> dict:
@@ -140,7 +182,7 @@ def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = 
     import yaml
 
     environ = os.environ if environ is None else environ
-    defaults: dict[str, Any] = {**BUILTIN_DEFAULTS, MIN_PROMPT_KEY: 0}
+    defaults: dict[str, Any] = {**BUILTIN_DEFAULTS, **{k: v for k, (_, v) in POLICY_KEYS.items()}}
     path = config_path(environ)
     if path is not None:
         from_file = _read_yaml(path)
@@ -155,19 +197,22 @@ def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = 
             from_env[field] = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{env_name(field)}: cannot parse {raw!r}: {exc}") from exc
-    raw = environ.get(MIN_PROMPT_ENV)
-    if raw is not None:
+    for key, (env, empty) in POLICY_KEYS.items():
+        raw = environ.get(env)
+        if raw is None:
+            continue
         try:
-            from_env[MIN_PROMPT_KEY] = yaml.safe_load(raw) if raw.strip() else 0
+            from_env[key] = yaml.safe_load(raw) if raw.strip() else empty
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{MIN_PROMPT_ENV}: cannot parse {raw!r}: {exc}") from exc
+            raise ConfigError(f"{env}: cannot parse {raw!r}: {exc}") from exc
     for field, value in from_env.items():
-        source = MIN_PROMPT_ENV if field == MIN_PROMPT_KEY else env_name(field)
+        source = POLICY_KEYS[field][0] if field in POLICY_KEYS else env_name(field)
         validate_defaults({field: value}, source)
     defaults.update(from_env)
     validate_defaults(defaults, "kv_* defaults (file + environment)")
     if not keep_policy:
-        defaults.pop(MIN_PROMPT_KEY)
+        for key in POLICY_KEYS:
+            defaults.pop(key)
     return defaults
 
 

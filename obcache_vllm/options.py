@@ -27,7 +27,10 @@ kv_decode       also evict during decoding (running scores); default false. Bool
 kv_compress_at  int k in [1, prompt length]: evict once the first k prompt tokens are cached,
                 scored with queries from those k only; the rest of the prompt (e.g. the
                 question) is prefilled on the compressed cache ("query-agnostic"). A fractional
-                kv_budget is then a fraction of k. Default: the whole prompt.
+                kv_budget is then a fraction of k. ``"auto"``: k is the longest prefix (whole
+                blocks, at least half the prompt) this prompt shares with a recent ``"auto"``
+                prompt, else the whole prompt (see ``obcache_vllm.eviction.sightings``); the
+                server policy's default. Default: the whole prompt.
 kv_per_head     true: each KV head keeps its own top tokens; false: one ranking per layer
                 (scores summed over heads, as kvpress's presses do); default true
 kv_prefill_evict
@@ -59,6 +62,7 @@ Plain Python: no vLLM import.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -95,6 +99,8 @@ DEFAULT_WINDOW = 64
 DEFAULT_RECENT = 16
 DEFAULT_SINKS = 4
 WHEN = ("always", "pressure")
+# kv_compress_at's one non-integer value: the front end chooses k from the prompts it has seen.
+AUTO = "auto"
 
 
 class KvOptionsError(ValueError):
@@ -238,7 +244,7 @@ class KvRequest:
     recent: int = DEFAULT_RECENT
     sinks: int = DEFAULT_SINKS
     decode: bool = False
-    compress_at: int | None = None
+    compress_at: int | str | None = None  # a position, AUTO, or None (the whole prompt)
     per_head: bool = True
     prefill_evict: bool = False
     session: bool = False
@@ -247,13 +253,29 @@ class KvRequest:
     # least this many tokens (see obcache_vllm.config); admission may then waive it.
     policy_min_prompt_tokens: int | None = None
 
-    def resolve(self, num_prompt_tokens: int, max_model_len: int | None = None) -> KvOptions:
+    def resolve(
+        self,
+        num_prompt_tokens: int,
+        max_model_len: int | None = None,
+        auto_point: int | None = None,
+    ) -> KvOptions:
         """The options of this request on a prompt of ``num_prompt_tokens`` tokens.
+
+        ``auto_point``: for ``kv_compress_at: "auto"``, the point the front end chose from the
+        prompts it has seen (None: the whole prompt); taken only where its budget leaves room
+        beyond the sinks and recent tokens, else the whole prompt.
 
         Raises:
             KvOptionsError: ``kv_compress_at`` past the prompt, a budget or window beyond the
                 context, or a budget that leaves no room beyond the sinks and recent tokens.
         """
+        if self.compress_at == AUTO:
+            point = auto_point
+            if point is not None and (point >= num_prompt_tokens or not self._room_at(point)):
+                point = None
+            return dataclasses.replace(self, compress_at=point).resolve(
+                num_prompt_tokens, max_model_len
+            )
         if self.compress_at is not None and self.compress_at > num_prompt_tokens:
             raise KvOptionsError(
                 "kv_compress_at",
@@ -292,6 +314,15 @@ class KvRequest:
             when=self.when,
             requested_budget=self.budget,
         )
+
+
+    def _room_at(self, point: int) -> bool:
+        """Whether compressing the first ``point`` tokens to this budget leaves room beyond
+        the sinks and recent tokens and evicts something."""
+        budget = self.budget
+        if not isinstance(budget, int):
+            budget = max(1, math.ceil(budget * point))
+        return self.sinks + self.recent < budget < point
 
 
 def _check_room(budget: int, sinks: int, recent: int) -> None:
@@ -445,8 +476,12 @@ def parse_request(
             raise KvOptionsError(others[0], "requires kv_budget", raw[others[0]])
         return None
     scorers, pipelines = _known_names()
-    compress_at = None
-    if raw.get("kv_compress_at") is not None:
+    compress_at = raw.get("kv_compress_at")
+    if compress_at is not None and compress_at != AUTO:
+        if isinstance(compress_at, str):
+            raise KvOptionsError(
+                "kv_compress_at", f'must be an integer >= 1 or "{AUTO}"', compress_at
+            )
         compress_at = _int_field(raw, "kv_compress_at", 0, 1)
     request = KvRequest(
         budget=_budget_field(raw["kv_budget"]),

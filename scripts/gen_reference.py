@@ -27,7 +27,8 @@ fails when this page and the code disagree). Every command: `obcache-vllm <comma
 `obcache-vllm serve` passes its arguments to vLLM's own `vllm serve` (`obcache-vllm serve
 --help` prints vLLM's options) after these defaults, which any argument overrides:
 `{serve_defaults}`; it also takes the server policy's flags, `--default-kv-<name> VALUE` for
-any of {fields} and `--default-min-prompt-tokens N` (see [The server](../user_guide/server.md)).
+any of {fields}, `--default-min-prompt-tokens N` and `--default-compress-at auto|null` (see
+[The server](../user_guide/server.md)).
 """
 
 
@@ -138,7 +139,7 @@ def render_rest() -> str:
         "active defaults and policy (`config_document()` in "
         "`obcache_vllm/vllm_ext/frontend/server.py`): keys `scorers`, `pipelines`, "
         "`request_fields`, `defaults`, `policy` (`default_budget`, `when`, "
-        f"`{config.MIN_PROMPT_KEY}`, `opt_out`), `usage_field`.\n"
+        f"`{config.MIN_PROMPT_KEY}`, `{config.COMPRESS_AT_KEY}`, `opt_out`), `usage_field`.\n"
     )
     return "".join(out)
 

@@ -335,6 +335,8 @@ class RequestBlocks:
             "scorer": self.options.scorer,
             "pipeline": self.options.pipeline,
         }
+        if self.options.compress_at is not None:
+            outcome["compress_at"] = self.options.compress_at
         start = self.start
         if start is not None and not start.compressed:
             outcome["cached_tokens"] = start.tokens
@@ -368,6 +370,8 @@ USAGE_FIELDS: dict[str, str] = {
     "prompt, or against `kv_compress_at`)",
     "scorer": "the scorer used",
     "pipeline": "the pipeline used",
+    "compress_at": "where the prompt was compressed, when not at its end: the request's "
+    '`kv_compress_at`, or the shared prefix `"auto"` chose (absent: the whole prompt)',
     "cached_tokens": "prompt tokens read from vLLM's prefix cache (stock KV, exact)",
     "reused_tokens": "prompt tokens taken from a cached compressed context",
     "reused_from": 'which kind of compressed context: "compress_at" or "session"',

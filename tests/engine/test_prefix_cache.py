@@ -256,3 +256,24 @@ def test_a_failed_adoption_falls_back_to_a_recompute(fresh, tokenizer):
     )
     again, _, usage_again, _ = _generate(engine, doc + q2, kv)
     assert usage_again["reused_tokens"] == len(doc) and again == tokens
+
+
+def test_auto_compresses_the_shared_document_once_offline(fresh, tokenizer):
+    """``kv_compress_at: "auto"`` through the offline engine's admission: the first question
+    over a document compresses its whole prompt, the second the document's shared blocks (an
+    entry is made), the third adopts that entry, with the tokens a recompute at the same point
+    gives."""
+    doc, questions = _doc(tokenizer, seed=47), _questions(tokenizer)
+    kv = {"kv_budget": 0.25, "kv_pipeline": "tova", "kv_compress_at": "auto"}
+    _, _, first, _ = _generate(fresh, doc + questions[0], kv)
+    assert "compress_at" not in first
+    _, _, second, _ = _generate(fresh, doc + questions[1], kv)
+    common = next(i for i, (a, b) in enumerate(zip(*questions, strict=False)) if a != b)
+    point = (len(doc) + common) // BS * BS  # the whole blocks both prompts share
+    assert second["compress_at"] == point and "reused_tokens" not in second
+    third_tokens, _, third, _ = _generate(fresh, doc + questions[0], kv)
+    assert third["compress_at"] == point and third["reused_tokens"] == point
+    assert fresh.llm.reset_prefix_cache()
+    explicit = {**kv, "kv_compress_at": point}
+    again, _, usage, _ = _generate(fresh, doc + questions[0], explicit)
+    assert "reused_tokens" not in usage and again == third_tokens

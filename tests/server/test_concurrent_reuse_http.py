@@ -104,3 +104,36 @@ def test_follow_up_turns_of_one_chat_sent_at_once_match_each_alone(server: Serve
         assert status == 200 and alone["usage"]["obcache"].get("session_turn") == 2
         assert got["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
     assert _verify_faults(server) == faults
+
+
+def test_auto_compresses_a_shared_document_once_and_followers_match_each_alone(server: Server):
+    """``kv_compress_at: "auto"`` (the server policy's default point): the first question over a
+    document compresses its whole prompt, the second the document's shared blocks (a new
+    entry), the rest, sent at once, adopt that entry; each gets the text of the same request
+    computed alone at the same point under a cache salt of its own."""
+    doc = _tokenize(server, haystack(40, seed=61))[:1009]
+    questions = [_tokenize(server, f" Question {i}: what was traded in season {i}? Answer:")
+                 for i in range(2 + len(STAGGER_S))]  # fmt: skip
+    kv = {"kv_budget": 0.25, "kv_pipeline": "tova"}
+    faults = _verify_faults(server)
+
+    def body(q, point="auto", salt=None):
+        b = {"model": MODEL_NAME, "prompt": doc + q, "max_tokens": 16, "temperature": 0,
+             "kv_compress_at": point, **kv}  # fmt: skip
+        return {**b, "cache_salt": salt} if salt else b
+
+    status, first = server.post_json("/v1/completions", body(questions[0]))
+    assert status == 200 and "compress_at" not in first["usage"]["obcache"], first["usage"]
+    status, second = server.post_json("/v1/completions", body(questions[1]))
+    assert status == 200, second
+    shared = second["usage"]["obcache"]["compress_at"]
+    assert shared == len(doc) // 32 * 32  # the document's whole blocks (block size 32)
+    assert "reused_tokens" not in second["usage"]["obcache"]
+    together = _post_all(server, "/v1/completions", [body(q) for q in questions[2:]])
+    usage = [r["usage"]["obcache"] for r in together]
+    assert all(u["compress_at"] == shared and u.get("reused_tokens") == shared for u in usage)
+    for i, (q, got) in enumerate(zip(questions[1:], [second, *together], strict=True)):
+        status, alone = server.post_json("/v1/completions", body(q, shared, f"alone-auto-{i}"))
+        assert status == 200 and "reused_tokens" not in alone["usage"]["obcache"]
+        assert got["choices"][0]["text"] == alone["choices"][0]["text"], i
+    assert _verify_faults(server) == faults

@@ -54,8 +54,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from obcache_vllm.eviction.sightings import PrefixSightings, auto_point
 from obcache_vllm.options import (
     ADMITTED_KEY,
+    AUTO,
     KvOptions,
     KvOptionsError,
     KvRequest,
@@ -144,6 +146,26 @@ def unsupported_reason(vllm_config) -> str | None:
     return _bound["scheduler"](vllm_config.scheduler_config)
 
 
+_sightings: dict[int, PrefixSightings] = {}  # block size -> this process's index
+
+
+def sightings(block_size: int) -> PrefixSightings:
+    """This process's recently seen prompt prefixes (``kv_compress_at: "auto"``)."""
+    index = _sightings.get(block_size)
+    if index is None:
+        index = _sightings[block_size] = PrefixSightings(block_size)
+    return index
+
+
+def choose_point(vllm_config, request: KvRequest, prompt_token_ids, seed) -> int | None:
+    """The compress point of a ``kv_compress_at: "auto"`` request (see
+    :mod:`obcache_vllm.eviction.sightings`); None: its whole prompt. Records the prompt."""
+    if request.compress_at != AUTO or prompt_token_ids is None:
+        return None
+    index = sightings(vllm_config.cache_config.block_size)
+    return auto_point(index.observe(prompt_token_ids, seed), len(prompt_token_ids))
+
+
 def admit(
     vllm_config,
     request: KvRequest,
@@ -151,12 +173,17 @@ def admit(
     *,
     prompt_embeds: bool = False,
     max_tokens: int | None = None,
+    prompt_token_ids=None,
+    seed=None,
 ) -> Admitted | None:
     """Resolve ``request`` on its prompt, refuse what this engine cannot serve, check it fits.
 
     ``prompt_embeds``: the prompt carries embeddings (all or some of its positions). ``None``:
     the budget was the server policy's and does not apply (a prompt below its threshold, or a
     request it cannot serve): a stock request, since the client asked for no budget.
+    ``prompt_token_ids`` and ``seed`` (its cache salt and LoRA adapter): for
+    ``kv_compress_at: "auto"``, which compresses at a prefix shared with recent prompts (none
+    given: the whole prompt).
 
     Raises:
         KvOptionsError: a bad option for this prompt, a refusal, or a request that can never
@@ -165,16 +192,18 @@ def admit(
     threshold = request.policy_min_prompt_tokens
     if threshold is not None and num_prompt_tokens < threshold:
         return None
+    point = None if prompt_embeds else choose_point(vllm_config, request, prompt_token_ids, seed)
     try:
-        return _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens)
+        return _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, point)
     except KvOptionsError:
         if threshold is not None:
             return None
         raise
 
 
-def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens) -> Admitted:
-    options = request.resolve(num_prompt_tokens, vllm_config.model_config.max_model_len)
+def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, point) -> Admitted:
+    max_len = vllm_config.model_config.max_model_len
+    options = request.resolve(num_prompt_tokens, max_len, auto_point=point)
     reason = unsupported_reason(vllm_config)
     if reason is not None:
         raise KvOptionsError("kv_budget", reason, options.budget)
@@ -255,6 +284,8 @@ def admit_engine_request(vllm_config, engine_request) -> None:
                 num_prompt,
                 prompt_embeds=embeds is not None,
                 max_tokens=params.max_tokens,
+                prompt_token_ids=engine_request.prompt_token_ids,
+                seed=prompt_seed(engine_request.cache_salt, engine_request.lora_request),
             )
     except KvOptionsError as exc:
         raise rejected(exc) from exc
@@ -263,6 +294,12 @@ def admit_engine_request(vllm_config, engine_request) -> None:
         params.extra_args = rest or None
         return
     params.extra_args = {**rest, ADMITTED_KEY: admitted.options.to_wire()}
+
+
+def prompt_seed(cache_salt, lora_request):
+    """What besides its tokens decides whether two prompts may share KV (the sightings'
+    seed): the cache salt and the LoRA adapter, as in vLLM's block hashes."""
+    return (cache_salt, getattr(lora_request, "lora_name", None))
 
 
 def pool_is_short(vllm_config) -> bool:

@@ -73,10 +73,16 @@ def server_defaults() -> dict[str, Any]:
     return server_policy().defaults
 
 
-def reset_defaults(defaults: dict[str, Any] | None = None, min_prompt_tokens: int = 0) -> None:
+def reset_defaults(
+    defaults: dict[str, Any] | None = None,
+    min_prompt_tokens: int = 0,
+    compress_at: str | None = options.AUTO,
+) -> None:
     """Replace the cached policy (tests); ``None`` reloads it on next use."""
     global _policy
-    _policy = None if defaults is None else config.Policy(defaults, min_prompt_tokens)
+    _policy = (
+        None if defaults is None else config.Policy(defaults, min_prompt_tokens, compress_at)
+    )
 
 
 # --- request fields -> SamplingParams.extra_args --------------------------------------------
@@ -101,7 +107,7 @@ def parse_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping[str, A
         )
     requested = requested_kv_fields(vllm_xargs, top_level)
     policy = server_policy()
-    merged = config.merge_request(policy.defaults, requested)
+    merged = policy.fields_for(requested)
     from_policy = "kv_budget" not in requested and merged.get("kv_budget") is not None
     return options.parse_request(merged, policy.min_prompt_tokens if from_policy else None)
 
@@ -144,7 +150,7 @@ def _wrap_to_beam_search_params(original):
     return to_beam_search_params
 
 
-def admit_rendered_prompt(serving, inputs, params) -> None:
+def admit_rendered_prompt(serving, inputs, params, lora_request=None) -> None:
     """Admission of one rendered prompt of a generate handler (see the module docstring).
 
     Raises:
@@ -163,12 +169,15 @@ def admit_rendered_prompt(serving, inputs, params) -> None:
             num_prompt = len(token_ids)
         else:
             num_prompt = len(embeds) if embeds is not None else 0
+        salt = inputs.get("cache_salt") if isinstance(inputs, Mapping) else None
         admitted = admission.admit(
             vllm_config,
             request,
             num_prompt,
             prompt_embeds=embeds is not None,
             max_tokens=params.max_tokens,
+            prompt_token_ids=token_ids,
+            seed=admission.prompt_seed(salt, lora_request),
         )
         if admitted is None:  # the policy's budget does not apply here: a stock request
             del extra[ADMITTED_KEY]
@@ -185,8 +194,9 @@ def _wrap_log_inputs(original):
     @functools.wraps(original)
     def _log_inputs(self, request_id, inputs, *args, **kwargs):
         params = kwargs["params"] if "params" in kwargs else (args[0] if args else None)
+        lora = kwargs["lora_request"] if "lora_request" in kwargs else (args[1:2] or [None])[0]
         try:
-            admit_rendered_prompt(self, inputs, params)
+            admit_rendered_prompt(self, inputs, params, lora)
         except KvOptionsError as exc:
             raise admission.rejected(exc) from exc
         return original(self, request_id, inputs, *args, **kwargs)
@@ -334,6 +344,7 @@ def config_document() -> dict[str, Any]:
             "default_budget": server_defaults().get("kv_budget"),
             "when": server_defaults().get("kv_when"),
             config.MIN_PROMPT_KEY: server_policy().min_prompt_tokens,
+            config.COMPRESS_AT_KEY: server_policy().compress_at,
             "opt_out": 'a request with "kv_budget": null is served as stock vLLM',
         },
         "usage_field": f"usage.{USAGE_KEY}",

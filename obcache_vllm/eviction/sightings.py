@@ -1,0 +1,89 @@
+"""Prompt prefixes seen recently (front-end process): where ``kv_compress_at: "auto"`` compresses.
+
+A budget over a whole prompt makes each request compress its own copy of a document that
+stock vLLM would share from its prefix cache. ``kv_compress_at: "auto"`` (the server policy's
+default, see :mod:`obcache_vllm.config`) compresses instead at the longest prefix the prompt
+shares with a recent budgeted prompt, so that prefix is compressed once, query-agnostic, and
+every later request with it adopts the compressed entry (:mod:`obcache_vllm.eviction.entries`).
+
+The decision is the front end's, before the request reaches the engine, so the scheduler and
+the worker receive an ordinary ``kv_compress_at = k`` and nothing downstream changes. It is
+made from prompts only (this index), never from the engine's cache state:
+
+* a prompt's full blocks of ``block_size`` tokens are hashed as a chain (each block's hash
+  covers every token before it, as vLLM's prefix-cache hashes do), seeded by the cache salt
+  and the LoRA adapter, so prompts that could never share KV never match;
+* the longest chain hash already in the index gives the shared length ``s`` (whole blocks);
+  the prompt's own hashes are then recorded (least recently seen dropped past ``capacity``);
+* the request compresses at ``s`` when ``s`` covers at least :data:`MIN_SHARE` of its prompt
+  (so at most half of it is left uncompressed) and is shorter than the prompt, else over its
+  whole prompt, query-aware, as with no ``kv_compress_at``.
+
+A hash collision can only choose a compress point; the entries themselves are keyed by
+vLLM's hashes and checked token by token. Plain Python: no vLLM, no torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+# The smallest share of a prompt a shared prefix must cover to become its compress point: a
+# short common head (a system prompt) must not leave the rest of a long prompt uncompressed.
+MIN_SHARE = 0.5
+DEFAULT_CAPACITY = 1 << 16  # block hashes (a million tokens at 16 per block)
+
+
+class PrefixSightings:
+    """Chain hashes of recently seen prompt blocks (see the module docstring)."""
+
+    def __init__(self, block_size: int, capacity: int = DEFAULT_CAPACITY) -> None:
+        if block_size < 1 or capacity < 1:
+            raise ValueError(f"block_size {block_size} and capacity {capacity} must be >= 1")
+        self.block_size = block_size
+        self.capacity = capacity
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._lock = threading.Lock()  # the API server admits from one event loop; LLM too
+
+    def chain(self, token_ids: Sequence[int], seed: Hashable = None) -> list[int]:
+        """One hash per full block of ``token_ids``, each covering every token before it."""
+        bs, out = self.block_size, []
+        h = hash(("obcache-vllm/sightings", seed))
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            h = hash((h, tuple(token_ids[start : start + bs])))
+            out.append(h)
+        return out
+
+    def observe(self, token_ids: Sequence[int], seed: Hashable = None) -> int:
+        """Tokens (whole blocks) of ``token_ids`` seen before in a recorded prompt; then record
+        this prompt's blocks as seen."""
+        hashes = self.chain(token_ids, seed)
+        with self._lock:
+            shared = 0
+            for i in range(len(hashes) - 1, -1, -1):
+                if hashes[i] in self._seen:
+                    shared = (i + 1) * self.block_size
+                    break
+            for h in hashes:
+                self._seen[h] = None
+                self._seen.move_to_end(h)
+            while len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
+        return shared
+
+    def clear(self) -> None:
+        with self._lock:
+            self._seen.clear()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def auto_point(shared: int, num_prompt_tokens: int) -> int | None:
+    """The compress point of a ``kv_compress_at: "auto"`` request whose first ``shared``
+    tokens were seen before (None: compress the whole prompt)."""
+    shared = min(shared, num_prompt_tokens - 1)
+    if shared <= 0 or shared < MIN_SHARE * num_prompt_tokens:
+        return None
+    return shared

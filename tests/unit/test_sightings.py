@@ -1,0 +1,121 @@
+"""``kv_compress_at: "auto"``: the prefix index, the point it chooses, the policy applying it."""
+
+from __future__ import annotations
+
+import pytest
+
+from obcache_vllm import config, options
+from obcache_vllm.eviction.sightings import MIN_SHARE, PrefixSightings, auto_point
+from obcache_vllm.vllm_ext.frontend import server
+
+
+def test_the_longest_seen_prefix_in_whole_blocks_then_the_prompt_is_recorded() -> None:
+    index = PrefixSightings(block_size=4)
+    doc = list(range(100, 140))  # 10 blocks
+    assert index.observe(doc + [1, 2, 3]) == 0  # nothing seen yet
+    assert index.observe(doc + [7, 8, 9, 10, 11]) == 40  # the document's 10 blocks
+    # a prompt that diverges inside block 3 shares blocks 0-2 only
+    assert index.observe(doc[:13] + [0] * 20) == 12
+    # the whole of a repeated prompt: 43 tokens, 10 full blocks
+    assert index.observe(doc + [1, 2, 3]) == 40
+
+
+def test_salts_and_adapters_never_match_each_other() -> None:
+    index = PrefixSightings(block_size=4)
+    doc = list(range(32))
+    index.observe(doc, seed=("salt-a", None))
+    assert index.observe(doc, seed=("salt-b", None)) == 0
+    assert index.observe(doc, seed=("salt-a", "lora-1")) == 0
+    assert index.observe(doc, seed=("salt-a", None)) == 32
+
+
+def test_the_index_is_bounded_and_forgets_the_least_recently_seen() -> None:
+    index = PrefixSightings(block_size=2, capacity=6)
+    old, new = [1] * 8, [2] * 8  # 4 blocks each
+    index.observe(old)
+    index.observe(new)  # 8 hashes > 6: old's first two blocks go
+    assert len(index) == 6
+    # a chain hash covers every token before it: old's deepest blocks still prove its prefix
+    assert index.observe(old) == 8
+    index = PrefixSightings(block_size=2, capacity=4)
+    index.observe(old)
+    index.observe(new)  # old is gone entirely
+    assert index.observe(old) == 0
+
+
+@pytest.mark.parametrize(
+    "shared, prompt, point",
+    [
+        (0, 100, None),  # nothing shared
+        (32, 100, None),  # under half the prompt: a short common head leaves it whole
+        (64, 100, 64),
+        (100, 100, 99),  # a repeated prompt: one token is left for the question
+    ],
+)
+def test_auto_point(shared: int, prompt: int, point: int | None) -> None:
+    assert MIN_SHARE == 0.5
+    assert auto_point(shared, prompt) == point
+
+
+def test_auto_resolves_to_the_point_or_the_whole_prompt() -> None:
+    request = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
+    assert request.compress_at == options.AUTO
+    at = request.resolve(1000, auto_point=800)
+    assert (at.compress_at, at.budget) == (800, 200)  # the fraction is of the shared prefix
+    whole = request.resolve(1000)
+    assert (whole.compress_at, whole.budget) == (None, 250)
+    # a point whose budget leaves no room beyond the sinks and recent tokens: the whole prompt
+    assert request.resolve(1000, auto_point=60).compress_at is None
+    # a token budget at least the point: nothing to evict there, the whole prompt
+    fixed = options.parse_request({"kv_budget": 300, "kv_compress_at": "auto"})
+    assert fixed.resolve(1000, auto_point=200).compress_at is None
+    assert fixed.resolve(1000, auto_point=800).compress_at == 800
+
+
+@pytest.mark.parametrize("value", ["later", "Auto", ""])
+def test_other_strings_are_refused_naming_the_field(value: str) -> None:
+    with pytest.raises(options.KvOptionsError, match="auto") as info:
+        options.parse_request({"kv_budget": 64, "kv_compress_at": value})
+    assert info.value.field == "kv_compress_at"
+
+
+def test_auto_is_refused_where_a_compress_point_is() -> None:
+    with pytest.raises(options.KvOptionsError) as info:
+        options.parse_request({"kv_budget": 64, "kv_compress_at": "auto", "kv_session": True})
+    assert info.value.field == "kv_session"
+
+
+def test_the_policy_budget_compresses_at_the_shared_prefix_and_a_clients_own_does_not() -> None:
+    server.reset_defaults({**config.BUILTIN_DEFAULTS, "kv_budget": 0.25})
+    try:
+        assert server.parse_fields(None, {}).compress_at == options.AUTO
+        # the client's own budget, point or opt-out are its own
+        assert server.parse_fields(None, {"kv_budget": 0.25}).compress_at is None
+        assert server.parse_fields(None, {"kv_compress_at": 500}).compress_at == 500
+        assert server.parse_fields(None, {"kv_budget": None}) is None
+        # options that allow no compress point keep the whole prompt
+        assert server.parse_fields(None, {"kv_when": "pressure"}).compress_at is None
+        assert server.parse_fields(None, {"kv_prefill_evict": True}).compress_at is None
+    finally:
+        server.reset_defaults()
+    server.reset_defaults({**config.BUILTIN_DEFAULTS, "kv_budget": 0.25}, compress_at=None)
+    try:
+        assert server.parse_fields(None, {}).compress_at is None
+    finally:
+        server.reset_defaults()
+
+
+def test_the_policy_key_from_file_environment_and_flag(tmp_path) -> None:
+    assert config.load_policy({}).compress_at == options.AUTO
+    path = tmp_path / "c.yaml"
+    path.write_text("kv_budget: 0.25\ncompress_at: null\n")
+    assert config.load_policy({config.CONFIG_ENV: str(path)}).compress_at is None
+    env = {config.CONFIG_ENV: str(path), config.COMPRESS_AT_ENV: "auto"}
+    assert config.load_policy(env).compress_at == options.AUTO
+    with pytest.raises(config.ConfigError, match="OBCACHE_POLICY_COMPRESS_AT.*compress_at"):
+        config.load_policy({config.COMPRESS_AT_ENV: "512"})
+    from obcache_vllm import cli
+
+    rest, env = cli.split_policy_args(["--default-compress-at", "null", "--port", "1"])
+    assert rest == ["--port", "1"] and env == {config.COMPRESS_AT_ENV: "null"}
+    assert config.load_policy(env).compress_at is None
