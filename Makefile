@@ -74,7 +74,7 @@ bench-full: setup
 		--out results/bench-equal
 
 ## vLLM's own client (vllm bench serve): stock vs the server's default-budget policy, shared
-## prefixes that fit and that do not, unique prompts (~30 min; results/bench-vllm-serve)
+## prefixes that fit and that do not, unique prompts (~15 min; results/bench-vllm-serve)
 bench-serve: setup
 	PYTHONPATH=. $(PY) benchmarks/bench_vllm_serve.py --out results/bench-vllm-serve $(ARGS)
 

@@ -28,7 +28,7 @@ generates its full output length), ``--seed 0``:
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_vllm_serve.py                 # all, ~30 min on 2 cores
+    .venv/bin/python benchmarks/bench_vllm_serve.py                 # all, ~15 min on 2 cores
     .venv/bin/python benchmarks/bench_vllm_serve.py --workloads prefix-pool --arms stock policy
 
 Outputs (``--out``, default results/bench-vllm-serve): ``<workload>.<arm>.json`` (vLLM's own

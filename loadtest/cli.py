@@ -77,7 +77,22 @@ def _parser() -> argparse.ArgumentParser:
     fleet_p.add_argument("--turns", type=int, default=3)
     fleet_p.add_argument("--plain", type=int, default=4, help="unbudgeted requests beside them")
     fleet_p.add_argument("--out", type=Path, default=Path("results/fleet"), help="report folder")
+    mt_p = sub.add_parser("multiturn", help="multi-turn chats at the pool's limit, stock beside")
+    mt_p.add_argument("--arms", nargs="+", default=["stock", "session", "policy"],
+                      choices=["stock", "session", "policy"])
+    mt_p.add_argument("--conversations", type=int, default=8)
+    mt_p.add_argument("--clients", type=int, default=2)
+    mt_p.add_argument("--active", type=int, default=4, help="active conversations (all clients)")
+    mt_p.add_argument("--pool-blocks", type=int, default=96, help="KV pool, blocks of 32 tokens")
+    mt_p.add_argument("--seed", type=int, default=0)
+    mt_p.add_argument("--out", type=Path, default=Path("results/multiturn"), help="report folder")
     return ap
+
+
+def _multiturn(args: argparse.Namespace) -> int:
+    from loadtest import multiturn
+
+    return multiturn.main(args)
 
 
 def _fleet(args: argparse.Namespace) -> int:
@@ -156,7 +171,8 @@ def _compare(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        commands = {"run": _run, "compare": _compare, "parity": _parity, "fleet": _fleet}
+        commands = {"run": _run, "compare": _compare, "parity": _parity, "fleet": _fleet,
+                    "multiturn": _multiturn}
         return commands[args.command](args)
     except KeyboardInterrupt:
         return 130

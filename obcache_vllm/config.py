@@ -23,7 +23,8 @@ Where the policy's budget applies, it compresses at ``compress_at`` (YAML key, o
 ``OBCACHE_POLICY_COMPRESS_AT``): ``auto`` (the default) is ``kv_compress_at: "auto"``, the
 longest prefix the prompt shares with recent prompts (see
 :mod:`obcache_vllm.eviction.sightings`), so a shared document is compressed once and reused
-as stock vLLM reuses it from its prefix cache; ``null`` compresses every prompt whole. It
+as stock vLLM reuses it from its prefix cache, and a chat's next turn (a prompt that extends a
+recent one) continues as a ``kv_session``; ``null`` compresses every prompt whole. It
 applies only where the request's options allow a compress point (not with ``kv_session``,
 ``kv_when: pressure`` or ``kv_prefill_evict``) and the client set no ``kv_compress_at``.
 Plain Python: no vLLM import.

@@ -27,9 +27,10 @@ kv_decode       also evict during decoding (running scores); default false. Bool
 kv_compress_at  int k in [1, prompt length]: evict once the first k prompt tokens are cached,
                 scored with queries from those k only; the rest of the prompt (e.g. the
                 question) is prefilled on the compressed cache ("query-agnostic"). A fractional
-                kv_budget is then a fraction of k. ``"auto"``: k is the longest prefix (whole
-                blocks, at least half the prompt) this prompt shares with a recent ``"auto"``
-                prompt, else the whole prompt (see ``obcache_vllm.eviction.sightings``); the
+                kv_budget is then a fraction of k. ``"auto"``: a prompt that continues a recent
+                ``"auto"`` prompt (a chat's next turn) is served as ``kv_session``; else k is
+                the longest prefix (whole blocks, at least half the prompt) it shares with a
+                recent one, else the whole prompt (``obcache_vllm.eviction.sightings``); the
                 server policy's default. Default: the whole prompt.
 kv_per_head     true: each KV head keeps its own top tokens; false: one ranking per layer
                 (scores summed over heads, as kvpress's presses do); default true
@@ -258,18 +259,24 @@ class KvRequest:
         num_prompt_tokens: int,
         max_model_len: int | None = None,
         auto_point: int | None = None,
+        auto_session: bool = False,
     ) -> KvOptions:
         """The options of this request on a prompt of ``num_prompt_tokens`` tokens.
 
         ``auto_point``: for ``kv_compress_at: "auto"``, the point the front end chose from the
         prompts it has seen (None: the whole prompt); taken only where its budget leaves room
-        beyond the sinks and recent tokens, else the whole prompt.
+        beyond the sinks and recent tokens, else the whole prompt. ``auto_session``: the prompt
+        continues a recent one (a chat's next turn): it is served as ``kv_session`` instead,
+        where its pipeline allows a session.
 
         Raises:
             KvOptionsError: ``kv_compress_at`` past the prompt, a budget or window beyond the
                 context, or a budget that leaves no room beyond the sinks and recent tokens.
         """
         if self.compress_at == AUTO:
+            if auto_session and not _sums_every_query(self.pipeline):
+                continued = dataclasses.replace(self, compress_at=None, session=True)
+                return continued.resolve(num_prompt_tokens, max_model_len)
             point = auto_point
             if point is not None and (point >= num_prompt_tokens or not self._room_at(point)):
                 point = None

@@ -14,10 +14,17 @@ made from prompts only (this index), never from the engine's cache state:
   covers every token before it, as vLLM's prefix-cache hashes do), seeded by the cache salt
   and the LoRA adapter, so prompts that could never share KV never match;
 * the longest chain hash already in the index gives the shared length ``s`` (whole blocks);
-  the prompt's own hashes are then recorded (least recently seen dropped past ``capacity``);
-* the request compresses at ``s`` when ``s`` covers at least :data:`MIN_SHARE` of its prompt
-  (so at most half of it is left uncompressed) and is shorter than the prompt, else over its
-  whole prompt, query-aware, as with no ``kv_compress_at``.
+  the prompt's own hashes, and a hash of the whole prompt, are then recorded (least recently
+  seen dropped past ``capacity``);
+* a prompt that *continues* a recorded one (all of that prompt's tokens are a strict prefix of
+  it, as a chat's next turn resends the last turn's prompt with the answer and a new message)
+  is served as ``kv_session``: it continues the compressed cache the last turn left, if that
+  turn was itself a continuation, and leaves its own for the next (a chat's second turn
+  compresses anew; the third and later continue);
+* else the request compresses at ``s`` when ``s`` covers at least :data:`MIN_SHARE` of its
+  prompt (so at most half of it is left uncompressed) and is shorter than the prompt (questions
+  over one document: the second compresses the document, the later ones adopt it);
+* else over its whole prompt, query-aware, as with no ``kv_compress_at``.
 
 A hash collision can only choose a compress point; the entries themselves are keyed by
 vLLM's hashes and checked token by token. Plain Python: no vLLM, no torch.
@@ -28,11 +35,22 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 # The smallest share of a prompt a shared prefix must cover to become its compress point: a
 # short common head (a system prompt) must not leave the rest of a long prompt uncompressed.
 MIN_SHARE = 0.5
 DEFAULT_CAPACITY = 1 << 16  # block hashes (a million tokens at 16 per block)
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """What the index knew of a prompt: the tokens (whole blocks) it shares with a recorded
+    prompt, and whether a recorded prompt, all of its tokens, is a strict prefix of it (the
+    prompt continues that one, as a chat's next turn resends the last turn's prompt)."""
+
+    shared: int
+    continues: bool
 
 
 class PrefixSightings:
@@ -44,37 +62,62 @@ class PrefixSightings:
         self.block_size = block_size
         self.capacity = capacity
         self._seen: OrderedDict[int, None] = OrderedDict()
+        # Whole recorded prompts: (hash of the chain before the tail, tail tokens) hashed, and
+        # for each such chain hash the tail lengths recorded after it.
+        self._ends: OrderedDict[int, None] = OrderedDict()
+        self._tails: OrderedDict[int, set[int]] = OrderedDict()
         self._lock = threading.Lock()  # the API server admits from one event loop; LLM too
+
+    def _root(self, seed: Hashable) -> int:
+        return hash(("obcache-vllm/sightings", seed))
 
     def chain(self, token_ids: Sequence[int], seed: Hashable = None) -> list[int]:
         """One hash per full block of ``token_ids``, each covering every token before it."""
         bs, out = self.block_size, []
-        h = hash(("obcache-vllm/sightings", seed))
+        h = self._root(seed)
         for start in range(0, len(token_ids) - bs + 1, bs):
             h = hash((h, tuple(token_ids[start : start + bs])))
             out.append(h)
         return out
 
-    def observe(self, token_ids: Sequence[int], seed: Hashable = None) -> int:
-        """Tokens (whole blocks) of ``token_ids`` seen before in a recorded prompt; then record
-        this prompt's blocks as seen."""
+    def observe(self, token_ids: Sequence[int], seed: Hashable = None) -> Sighting:
+        """What was seen of ``token_ids`` before (a :class:`Sighting`); then record this
+        prompt as seen."""
+        bs = self.block_size
         hashes = self.chain(token_ids, seed)
+        bases = [self._root(seed), *hashes]  # bases[k]: the chain of the first k blocks
         with self._lock:
             shared = 0
             for i in range(len(hashes) - 1, -1, -1):
                 if hashes[i] in self._seen:
-                    shared = (i + 1) * self.block_size
+                    shared = (i + 1) * bs
                     break
+            continues = any(
+                start + tail < len(token_ids)
+                and hash((bases[k], tuple(token_ids[start : start + tail]))) in self._ends
+                for k in range(shared // bs, -1, -1)
+                for start in (k * bs,)
+                for tail in self._tails.get(bases[k], ())
+            )
             for h in hashes:
                 self._seen[h] = None
                 self._seen.move_to_end(h)
-            while len(self._seen) > self.capacity:
-                self._seen.popitem(last=False)
-        return shared
+            full = len(hashes)
+            tail = tuple(token_ids[full * bs :])
+            self._ends[hash((bases[full], tail))] = None
+            self._ends.move_to_end(hash((bases[full], tail)))
+            self._tails.setdefault(bases[full], set()).add(len(tail))
+            self._tails.move_to_end(bases[full])
+            for index in (self._seen, self._ends, self._tails):
+                while len(index) > self.capacity:
+                    index.popitem(last=False)
+        return Sighting(shared, continues)
 
     def clear(self) -> None:
         with self._lock:
             self._seen.clear()
+            self._ends.clear()
+            self._tails.clear()
 
     def __len__(self) -> int:
         return len(self._seen)

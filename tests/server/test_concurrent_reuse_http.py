@@ -137,3 +137,38 @@ def test_auto_compresses_a_shared_document_once_and_followers_match_each_alone(s
         assert status == 200 and "reused_tokens" not in alone["usage"]["obcache"]
         assert got["choices"][0]["text"] == alone["choices"][0]["text"], i
     assert _verify_faults(server) == faults
+
+
+def test_auto_serves_a_chats_next_turns_as_a_session_and_each_matches_alone(server: Server):
+    """``kv_compress_at: "auto"`` on a chat (the server policy's default): the first turn is
+    compressed whole, the second continues a prompt the server saw (served as ``kv_session``:
+    nothing to continue yet, it compresses anew and leaves its cache), the third and fourth
+    continue the turn before; each matches the same conversation replayed under a cache salt
+    of its own (its own turns: the same continuations)."""
+    kv = {"kv_budget": 160, "kv_pipeline": "tova", "kv_compress_at": "auto"}
+    system = {"role": "system", "content": "Records:\n" + haystack(18, seed=63)}
+    asks = ["Which towns appear?", "What was traded?", "Which year comes first?", "And then?"]
+    faults = _verify_faults(server)
+
+    def converse(salt=None):
+        messages, usages, texts = [system], [], []
+        for ask in asks:
+            messages = [*messages, {"role": "user", "content": ask}]
+            body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 16,
+                    "temperature": 0, **kv}  # fmt: skip
+            status, reply = server.post_json("/v1/chat/completions",
+                                             {**body, "cache_salt": salt} if salt else body)
+            assert status == 200, reply
+            text = reply["choices"][0]["message"]["content"]
+            messages = [*messages, {"role": "assistant", "content": text}]
+            usages.append(reply["usage"]["obcache"])
+            texts.append(text)
+        return usages, texts
+
+    usages, texts = converse()
+    assert [u.get("session_turn") for u in usages] == [None, None, 2, 3], usages
+    assert all("compress_at" not in u for u in usages)  # a session compresses each prompt
+    again, replayed = converse("alone-auto-chat")
+    assert [u.get("session_turn") for u in again] == [None, None, 2, 3]
+    assert texts == replayed
+    assert _verify_faults(server) == faults

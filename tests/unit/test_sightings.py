@@ -5,42 +5,46 @@ from __future__ import annotations
 import pytest
 
 from obcache_vllm import config, options
-from obcache_vllm.eviction.sightings import MIN_SHARE, PrefixSightings, auto_point
+from obcache_vllm.eviction.sightings import MIN_SHARE, PrefixSightings, Sighting, auto_point
 from obcache_vllm.vllm_ext.frontend import server
+
+
+def _shared(index: PrefixSightings, tokens, seed=None) -> int:
+    return index.observe(tokens, seed).shared
 
 
 def test_the_longest_seen_prefix_in_whole_blocks_then_the_prompt_is_recorded() -> None:
     index = PrefixSightings(block_size=4)
     doc = list(range(100, 140))  # 10 blocks
-    assert index.observe(doc + [1, 2, 3]) == 0  # nothing seen yet
-    assert index.observe(doc + [7, 8, 9, 10, 11]) == 40  # the document's 10 blocks
+    assert _shared(index, doc + [1, 2, 3]) == 0  # nothing seen yet
+    assert _shared(index, doc + [7, 8, 9, 10, 11]) == 40  # the document's 10 blocks
     # a prompt that diverges inside block 3 shares blocks 0-2 only
-    assert index.observe(doc[:13] + [0] * 20) == 12
+    assert _shared(index, doc[:13] + [0] * 20) == 12
     # the whole of a repeated prompt: 43 tokens, 10 full blocks
-    assert index.observe(doc + [1, 2, 3]) == 40
+    assert _shared(index, doc + [1, 2, 3]) == 40
 
 
 def test_salts_and_adapters_never_match_each_other() -> None:
     index = PrefixSightings(block_size=4)
     doc = list(range(32))
-    index.observe(doc, seed=("salt-a", None))
-    assert index.observe(doc, seed=("salt-b", None)) == 0
-    assert index.observe(doc, seed=("salt-a", "lora-1")) == 0
-    assert index.observe(doc, seed=("salt-a", None)) == 32
+    _shared(index, doc, seed=("salt-a", None))
+    assert _shared(index, doc, seed=("salt-b", None)) == 0
+    assert _shared(index, doc, seed=("salt-a", "lora-1")) == 0
+    assert _shared(index, doc, seed=("salt-a", None)) == 32
 
 
 def test_the_index_is_bounded_and_forgets_the_least_recently_seen() -> None:
     index = PrefixSightings(block_size=2, capacity=6)
     old, new = [1] * 8, [2] * 8  # 4 blocks each
-    index.observe(old)
-    index.observe(new)  # 8 hashes > 6: old's first two blocks go
+    _shared(index, old)
+    _shared(index, new)  # 8 hashes > 6: old's first two blocks go
     assert len(index) == 6
     # a chain hash covers every token before it: old's deepest blocks still prove its prefix
-    assert index.observe(old) == 8
+    assert _shared(index, old) == 8
     index = PrefixSightings(block_size=2, capacity=4)
-    index.observe(old)
-    index.observe(new)  # old is gone entirely
-    assert index.observe(old) == 0
+    _shared(index, old)
+    _shared(index, new)  # old is gone entirely
+    assert _shared(index, old) == 0
 
 
 @pytest.mark.parametrize(
@@ -119,3 +123,32 @@ def test_the_policy_key_from_file_environment_and_flag(tmp_path) -> None:
     rest, env = cli.split_policy_args(["--default-compress-at", "null", "--port", "1"])
     assert rest == ["--port", "1"] and env == {config.COMPRESS_AT_ENV: "null"}
     assert config.load_policy(env).compress_at is None
+
+
+def test_a_prompt_that_extends_a_whole_recorded_prompt_continues_it() -> None:
+    index = PrefixSightings(block_size=4)
+    turn1 = list(range(10))  # 2 full blocks and a 2-token tail
+    assert index.observe(turn1) == Sighting(0, False)
+    turn2 = turn1 + [50, 51, 52, 53, 54]  # the answer and the next message appended
+    assert index.observe(turn2) == Sighting(8, True)
+    # questions over one document: the earlier prompt is not a prefix (its question differs)
+    doc = list(range(100, 124))
+    index.observe(doc + [1, 2])
+    assert index.observe(doc + [3, 4, 5]) == Sighting(24, False)
+    # the same prompt again is no continuation (nothing was appended)
+    assert index.observe(doc + [3, 4, 5]).continues is False
+    # a continuation of a prompt with no tail (a multiple of the block size)
+    index.observe(list(range(200, 208)))
+    assert index.observe(list(range(200, 209))) == Sighting(8, True)
+    # the seed separates them
+    assert index.observe(turn2 + [9], seed="other").continues is False
+
+
+def test_a_continuation_is_served_as_a_session_where_the_pipeline_allows() -> None:
+    request = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
+    continued = request.resolve(1000, auto_point=800, auto_session=True)
+    assert (continued.session, continued.compress_at, continued.budget) == (True, None, 250)
+    h2o = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
+                                 "kv_pipeline": "h2o"})  # fmt: skip
+    at = h2o.resolve(1000, auto_point=800, auto_session=True)  # its sums cannot travel
+    assert (at.session, at.compress_at) == (False, 800)

@@ -157,13 +157,20 @@ def sightings(block_size: int) -> PrefixSightings:
     return index
 
 
-def choose_point(vllm_config, request: KvRequest, prompt_token_ids, seed) -> int | None:
-    """The compress point of a ``kv_compress_at: "auto"`` request (see
-    :mod:`obcache_vllm.eviction.sightings`); None: its whole prompt. Records the prompt."""
-    if request.compress_at != AUTO or prompt_token_ids is None:
-        return None
+def choose_point(vllm_config, request: KvRequest, prompt_token_ids, seed):
+    """``(point, continues)`` of a ``kv_compress_at: "auto"`` request (see
+    :mod:`obcache_vllm.eviction.sightings`): the compress point (None: its whole prompt) and
+    whether it continues a recent prompt (then it is served as ``kv_session``). Records the
+    prompt. Without prefix caching nothing is shared: ``(None, False)``."""
+    if (
+        request.compress_at != AUTO
+        or prompt_token_ids is None
+        or not vllm_config.cache_config.enable_prefix_caching
+    ):
+        return None, False
     index = sightings(vllm_config.cache_config.block_size)
-    return auto_point(index.observe(prompt_token_ids, seed), len(prompt_token_ids))
+    seen = index.observe(prompt_token_ids, seed)
+    return auto_point(seen.shared, len(prompt_token_ids)), seen.continues
 
 
 def admit(
@@ -192,18 +199,21 @@ def admit(
     threshold = request.policy_min_prompt_tokens
     if threshold is not None and num_prompt_tokens < threshold:
         return None
-    point = None if prompt_embeds else choose_point(vllm_config, request, prompt_token_ids, seed)
+    auto = (None, False) if prompt_embeds else choose_point(
+        vllm_config, request, prompt_token_ids, seed
+    )
     try:
-        return _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, point)
+        return _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, auto)
     except KvOptionsError:
         if threshold is not None:
             return None
         raise
 
 
-def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, point) -> Admitted:
+def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, auto) -> Admitted:
     max_len = vllm_config.model_config.max_model_len
-    options = request.resolve(num_prompt_tokens, max_len, auto_point=point)
+    point, continues = auto
+    options = request.resolve(num_prompt_tokens, max_len, auto_point=point, auto_session=continues)
     reason = unsupported_reason(vllm_config)
     if reason is not None:
         raise KvOptionsError("kv_budget", reason, options.budget)

@@ -1,0 +1,268 @@
+"""Multi-turn chats at the pool's limit, the shape of vLLM's multi-turn benchmark, stock in the
+same run.
+
+vLLM's ``benchmarks/multi_turn`` client (not shipped in the wheel) drives synthetic chats: a
+prefix common to every conversation, a prefix of each conversation's own, user turns of
+120-160 tokens, answers forced to 80-120 tokens (``min_tokens`` = ``max_tokens``) and fed back
+as the next turn's history, ``--num-clients`` clients with one request in flight each, each
+cycling round-robin over its share of ``--max-active-conversations`` and replacing a finished
+conversation from a shared queue. This module does the same, smaller for a CPU (defaults below),
+with text from :func:`obcache_vllm.textgen.haystack` instead of a book:
+
+* common prefix ~300 tokens (a system message shared by every conversation), each
+  conversation's own document ~600 tokens in its first user turn, user turns ~60-100 tokens,
+  answers 40-60 tokens, 6-8 user turns: prompts grow from ~1,000 to ~1,900 tokens;
+* ``--conversations 8 --clients 2 --active 4``, ``/v1/chat/completions``, streamed with usage,
+  greedy, ``seed`` 0.
+
+Arms (``--arms``), each a fresh ``obcache-vllm serve`` with ``--num-gpu-blocks-override``
+``--pool-blocks`` (96 blocks of 32 tokens: two or three conversations uncompressed):
+``stock`` (``VLLM_PLUGINS=``), ``session`` (every request ``{"kv_budget": 0.25,
+"kv_session": true}``), ``policy`` (no kv_* field; the server's default budget
+``OBCACHE_KV_BUDGET=0.25``, whose ``auto`` compress point compresses each turn at the history
+it shares with the previous one).
+
+Reported per arm (``multiturn.md``, every request in ``multiturn.json``): requests/s, TTFT
+mean/p50/p99 of all requests and of turns >= 2, the follow-up turns that continued their session
+(``usage.obcache.reused_from == "session"``), the compressed-context lookups and entries the
+server counted, preemptions, ratios to stock::
+
+    .venv/bin/python -m loadtest multiturn --out results/multiturn
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+
+from loadtest.launch import launched
+from loadtest.scrape import Snapshot
+from obcache_vllm.textgen import haystack
+
+MODEL = "SmolLM2-135M-Instruct"
+TOKENS_PER_SENTENCE = 30.5  # haystack sentences, SmolLM2's tokenizer (loadtest.scenario)
+ARMS = {
+    "stock": ({"VLLM_PLUGINS": ""}, {}),
+    "session": ({}, {"kv_budget": 0.25, "kv_session": True}),
+    "policy": ({"OBCACHE_KV_BUDGET": "0.25"}, {}),
+}
+
+
+@dataclass
+class Turn:
+    arm: str
+    conversation: int
+    turn: int  # 1-based user turn
+    client: int
+    status: int
+    ttft: float | None
+    latency: float
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    obcache: dict | None
+
+
+def _sentences(tokens: int) -> int:
+    return max(1, round(tokens / TOKENS_PER_SENTENCE))
+
+
+@dataclass(frozen=True)
+class Conversation:
+    index: int
+    document: str
+    questions: tuple[str, ...]
+    answer_tokens: tuple[int, ...]
+
+
+def conversations(count: int, seed: int = 0) -> list[Conversation]:
+    """The synthetic conversations (same count and seed: the same conversations)."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(count):
+        turns = rng.randint(6, 8)
+        doc = haystack(_sentences(rng.randint(500, 700)), seed=1000 + c)
+        questions = tuple(
+            f"{c * 100 + t} is a nice number. Rewrite this and add a detail: "
+            + haystack(_sentences(rng.randint(60, 100)), seed=5000 + c * 100 + t)
+            for t in range(turns)
+        )
+        answers = tuple(rng.randint(40, 60) for _ in range(turns))
+        out.append(Conversation(c, doc, questions, answers))
+    return out
+
+
+SYSTEM = "You are a careful archivist. House rules and reference:\n" + haystack(
+    _sentences(300), seed=777
+)
+
+
+async def _post(session, url: str, body: dict):
+    import aiohttp
+
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, usage, parts = None, {}, []
+    async with session.post(f"{url}/v1/chat/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=1800)) as r:  # fmt: skip
+        if r.status != 200:
+            return r.status, None, time.perf_counter() - start, {}, await r.text()
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - start
+                parts.append(piece)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return 200, ttft, time.perf_counter() - start, usage, "".join(parts)
+
+
+async def drive(url: str, arm: str, body: dict, convs: list[Conversation], clients: int,
+                active: int) -> list[Turn]:  # fmt: skip
+    """vLLM's multi-turn client loop: each client cycles round-robin over its active share."""
+    import aiohttp
+
+    queue = list(convs)
+    turns: list[Turn] = []
+    per_client = max(1, active // clients)
+
+    async def client(index: int, session) -> None:
+        mine: list[tuple[Conversation, list[dict], int]] = []
+        cursor = 0
+        while True:
+            while len(mine) < per_client and queue:
+                conv = queue.pop(0)
+                mine.append((conv, [{"role": "system", "content": SYSTEM}], 0))
+            if not mine:
+                return
+            cursor %= len(mine)
+            conv, messages, t = mine[cursor]
+            user = conv.questions[t] if t else conv.document + "\n\n" + conv.questions[0]
+            messages = [*messages, {"role": "user", "content": user}]
+            n = conv.answer_tokens[t]
+            request = {"model": MODEL, "messages": messages, "temperature": 0, "seed": 0,
+                       "max_tokens": n, "min_tokens": n, **body}  # fmt: skip
+            status, ttft, latency, usage, text = await _post(session, url, request)
+            turns.append(Turn(arm, conv.index, t + 1, index, status, ttft, latency,
+                              usage.get("prompt_tokens"), usage.get("completion_tokens"),
+                              usage.get("obcache")))  # fmt: skip
+            messages = [*messages, {"role": "assistant", "content": text}]
+            if status != 200 or t + 1 >= len(conv.questions):
+                mine.pop(cursor)
+            else:
+                mine[cursor] = (conv, messages, t + 1)
+                cursor += 1
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(client(i, session) for i in range(clients)))
+    return turns
+
+
+def _scrape(url: str) -> Snapshot:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        return Snapshot.parse(resp.read().decode(), time.time())
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+
+
+def run_arm(arm: str, args) -> dict:
+    env, body = ARMS[arm]
+    max_len = str((args.pool_blocks - 1) * 32)  # the pool must hold one whole request (and
+    # its null block)
+    server_args = ["--max-model-len", max_len, "--seed", "0", "--max-num-seqs", "8",
+                   "--num-gpu-blocks-override", str(args.pool_blocks),
+                   "--enable-prompt-tokens-details"]  # fmt: skip
+    env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "0"}  # one core: the client beside it
+    convs = conversations(args.conversations, args.seed)
+    with launched(server_args, env, args.out / f"{arm}.server.log") as url:
+        before = _scrape(url)
+        started = time.perf_counter()
+        turns = asyncio.run(drive(url, arm, body, convs, args.clients, args.active))
+        seconds = time.perf_counter() - started
+        after = _scrape(url)
+
+    def delta(name: str, **labels) -> float:
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    ok = [t for t in turns if t.status == 200]
+    follow = [t for t in ok if t.turn >= 2]
+    continued = [t for t in follow if (t.obcache or {}).get("reused_from") == "session"]
+    ttft = [t.ttft for t in ok if t.ttft is not None]
+    ttft2 = [t.ttft for t in follow if t.ttft is not None]
+    summary = {
+        "arm": arm,
+        "requests": len(turns),
+        "errors": len(turns) - len(ok),
+        "seconds": round(seconds, 1),
+        "request_throughput": len(ok) / seconds,
+        "ttft_mean": statistics.fmean(ttft) if ttft else None,
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p99": _pct(ttft, 99),
+        "follow_ttft_p50": _pct(ttft2, 50),
+        "follow_ttft_p99": _pct(ttft2, 99),
+        "follow_ups": len(follow),
+        "continued": len(continued),
+        "prompt_tokens_mean": statistics.fmean(t.prompt_tokens for t in ok if t.prompt_tokens),
+        "lookups_hit": delta("vllm:obcache_compressed_lookups_total", result="hit"),
+        "lookups_miss": delta("vllm:obcache_compressed_lookups_total", result="miss"),
+        "entries_created": delta("vllm:obcache_compressed_entries_total", event="created"),
+        "entries_released": delta("vllm:obcache_compressed_entries_total", event="released"),
+        "entries_evicted": delta("vllm:obcache_compressed_entries_total", event="evicted"),
+        "preemptions": delta("vllm:num_preemptions_total"),
+    }
+    return {"summary": summary, "turns": [asdict(t) for t in turns]}
+
+
+def markdown(summaries: list[dict]) -> str:
+    stock = next((s for s in summaries if s["arm"] == "stock"), None)
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1000:.0f}"
+
+    def ratio(s, key):
+        if stock is None or s is stock or not stock.get(key) or s.get(key) is None:
+            return "-"
+        return f"{s[key] / stock[key]:.2f}x"
+
+    out = ["| arm | req/s | vs stock | TTFT mean / p50 / p99 (ms) | turns >= 2 TTFT p50 / p99 "
+           "(ms) | p50 vs stock | follow-ups continued | lookups hit / miss | entries created "
+           "/ released / evicted | preemptions | errors |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in summaries:
+        cont = f"{s['continued']} / {s['follow_ups']}" if s["arm"] != "stock" else "-"
+        out.append(
+            f"| {s['arm']} | {s['request_throughput']:.3f} | {ratio(s, 'request_throughput')} | "
+            f"{ms(s['ttft_mean'])} / {ms(s['ttft_p50'])} / {ms(s['ttft_p99'])} | "
+            f"{ms(s['follow_ttft_p50'])} / {ms(s['follow_ttft_p99'])} | "
+            f"{ratio(s, 'follow_ttft_p50')} | {cont} | "
+            f"{s['lookups_hit']:.0f} / {s['lookups_miss']:.0f} | {s['entries_created']:.0f} / "
+            f"{s['entries_released']:.0f} / {s['entries_evicted']:.0f} | "
+            f"{s['preemptions']:.0f} | {s['errors']} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(args) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    raw = []
+    for arm in args.arms:
+        raw.append(run_arm(arm, args))
+        summaries = [r["summary"] for r in raw]
+        print(markdown(summaries), flush=True)
+        (args.out / "multiturn.json").write_text(json.dumps(raw, indent=1) + "\n")
+        (args.out / "multiturn.md").write_text(markdown(summaries))
+    return 0
