@@ -78,8 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     fleet_p.add_argument("--plain", type=int, default=4, help="unbudgeted requests beside them")
     fleet_p.add_argument("--out", type=Path, default=Path("results/fleet"), help="report folder")
     mt_p = sub.add_parser("multiturn", help="multi-turn chats at the pool's limit, stock beside")
-    mt_p.add_argument("--arms", nargs="+", default=["stock", "session", "policy"],
-                      choices=["stock", "session", "policy"])
+    mt_p.add_argument("--arms", nargs="+",
+                      default=["stock", "session", "policy", "policy-session-id"],
+                      choices=["stock", "session", "policy", "policy-session-id"])
     mt_p.add_argument("--conversations", type=int, default=8)
     mt_p.add_argument("--clients", type=int, default=2)
     mt_p.add_argument("--active", type=int, default=4, help="active conversations (all clients)")

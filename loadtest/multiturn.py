@@ -19,8 +19,10 @@ Arms (``--arms``), each a fresh ``obcache-vllm serve`` with ``--num-gpu-blocks-o
 ``--pool-blocks`` (96 blocks of 32 tokens: two or three conversations uncompressed):
 ``stock`` (``VLLM_PLUGINS=``), ``session`` (every request ``{"kv_budget": 0.25,
 "kv_session": true}``), ``policy`` (no kv_* field; the server's default budget
-``OBCACHE_KV_BUDGET=0.25``, whose ``auto`` compress point compresses each turn at the history
-it shares with the previous one).
+``OBCACHE_KV_BUDGET=0.25``, whose ``auto`` compress point serves a turn that extends an earlier
+prompt as a session: a chat's third and later turns continue), ``policy-session-id`` (the same,
+each conversation's requests carrying vLLM's ``X-Session-ID`` header, as a client of
+vllm-router's ``consistent_hash`` sends it: every turn is a session from the first).
 
 Reported per arm (``multiturn.md``, every request in ``multiturn.json``): requests/s, TTFT
 mean/p50/p99 of all requests and of turns >= 2, the follow-up turns that continued their session
@@ -46,10 +48,12 @@ from obcache_vllm.textgen import haystack
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKENS_PER_SENTENCE = 30.5  # haystack sentences, SmolLM2's tokenizer (loadtest.scenario)
+# arm -> (server environment, kv_* fields of every request, X-Session-ID per conversation)
 ARMS = {
-    "stock": ({"VLLM_PLUGINS": ""}, {}),
-    "session": ({}, {"kv_budget": 0.25, "kv_session": True}),
-    "policy": ({"OBCACHE_KV_BUDGET": "0.25"}, {}),
+    "stock": ({"VLLM_PLUGINS": ""}, {}, False),
+    "session": ({}, {"kv_budget": 0.25, "kv_session": True}, False),
+    "policy": ({"OBCACHE_KV_BUDGET": "0.25"}, {}, False),
+    "policy-session-id": ({"OBCACHE_KV_BUDGET": "0.25"}, {}, True),
 }
 
 
@@ -101,13 +105,13 @@ SYSTEM = "You are a careful archivist. House rules and reference:\n" + haystack(
 )
 
 
-async def _post(session, url: str, body: dict):
+async def _post(session, url: str, body: dict, headers: dict | None = None):
     import aiohttp
 
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, usage, parts = None, {}, []
-    async with session.post(f"{url}/v1/chat/completions", json=body,
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers,
                             timeout=aiohttp.ClientTimeout(total=1800)) as r:  # fmt: skip
         if r.status != 200:
             return r.status, None, time.perf_counter() - start, {}, await r.text()
@@ -127,7 +131,7 @@ async def _post(session, url: str, body: dict):
 
 
 async def drive(url: str, arm: str, body: dict, convs: list[Conversation], clients: int,
-                active: int) -> list[Turn]:  # fmt: skip
+                active: int, session_ids: bool = False) -> list[Turn]:  # fmt: skip
     """vLLM's multi-turn client loop: each client cycles round-robin over its active share."""
     import aiohttp
 
@@ -151,7 +155,8 @@ async def drive(url: str, arm: str, body: dict, convs: list[Conversation], clien
             n = conv.answer_tokens[t]
             request = {"model": MODEL, "messages": messages, "temperature": 0, "seed": 0,
                        "max_tokens": n, "min_tokens": n, **body}  # fmt: skip
-            status, ttft, latency, usage, text = await _post(session, url, request)
+            headers = {"X-Session-ID": f"conversation-{conv.index}"} if session_ids else None
+            status, ttft, latency, usage, text = await _post(session, url, request, headers)
             turns.append(Turn(arm, conv.index, t + 1, index, status, ttft, latency,
                               usage.get("prompt_tokens"), usage.get("completion_tokens"),
                               usage.get("obcache")))  # fmt: skip
@@ -180,7 +185,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def run_arm(arm: str, args) -> dict:
-    env, body = ARMS[arm]
+    env, body, session_ids = ARMS[arm]
     max_len = str((args.pool_blocks - 1) * 32)  # the pool must hold one whole request (and
     # its null block)
     server_args = ["--max-model-len", max_len, "--seed", "0", "--max-num-seqs", "8",
@@ -191,7 +196,8 @@ def run_arm(arm: str, args) -> dict:
     with launched(server_args, env, args.out / f"{arm}.server.log") as url:
         before = _scrape(url)
         started = time.perf_counter()
-        turns = asyncio.run(drive(url, arm, body, convs, args.clients, args.active))
+        turns = asyncio.run(drive(url, arm, body, convs, args.clients, args.active,
+                                  session_ids))  # fmt: skip
         seconds = time.perf_counter() - started
         after = _scrape(url)
 
@@ -258,7 +264,10 @@ def markdown(summaries: list[dict]) -> str:
 
 def main(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
-    raw = []
+    # Arms of an earlier run into the same --out are kept unless this run measures them again.
+    done = args.out / "multiturn.json"
+    kept = json.loads(done.read_text()) if done.is_file() else []
+    raw = [r for r in kept if r["summary"]["arm"] not in args.arms]
     for arm in args.arms:
         raw.append(run_arm(arm, args))
         summaries = [r["summary"] for r in raw]

@@ -260,6 +260,7 @@ class KvRequest:
         max_model_len: int | None = None,
         auto_point: int | None = None,
         auto_session: bool = False,
+        session_id: str | None = None,
     ) -> KvOptions:
         """The options of this request on a prompt of ``num_prompt_tokens`` tokens.
 
@@ -267,12 +268,17 @@ class KvRequest:
         prompts it has seen (None: the whole prompt); taken only where its budget leaves room
         beyond the sinks and recent tokens, else the whole prompt. ``auto_session``: the prompt
         continues a recent one (a chat's next turn): it is served as ``kv_session`` instead,
-        where its pipeline allows a session.
+        where its pipeline allows a session. ``session_id``: vLLM's own session id of the
+        request (body, ``X-Session-ID`` header or ``vllm_xargs``): the request takes part in
+        that session, as with ``kv_session`` (see :meth:`joins_session`).
 
         Raises:
             KvOptionsError: ``kv_compress_at`` past the prompt, a budget or window beyond the
                 context, or a budget that leaves no room beyond the sinks and recent tokens.
         """
+        if session_id and self.joins_session():
+            joined = dataclasses.replace(self, compress_at=None, session=True)
+            return joined.resolve(num_prompt_tokens, max_model_len)
         if self.compress_at == AUTO:
             if auto_session and not _sums_every_query(self.pipeline):
                 continued = dataclasses.replace(self, compress_at=None, session=True)
@@ -322,6 +328,19 @@ class KvRequest:
             requested_budget=self.budget,
         )
 
+
+    def joins_session(self) -> bool:
+        """Whether a vLLM ``session_id`` on this request makes it a ``kv_session`` request:
+        where its options allow a session (no position of its own in ``kv_compress_at``, no
+        ``kv_prefill_evict``, ``kv_when: always``, a pipeline whose state fits in the cache).
+        Elsewhere the id is vLLM's alone (routing, KV events) and the options stand."""
+        return (
+            not self.session
+            and self.compress_at in (None, AUTO)
+            and not self.prefill_evict
+            and self.when == "always"
+            and not _sums_every_query(self.pipeline)
+        )
 
     def _room_at(self, point: int) -> bool:
         """Whether compressing the first ``point`` tokens to this budget leaves room beyond

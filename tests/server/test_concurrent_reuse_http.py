@@ -172,3 +172,33 @@ def test_auto_serves_a_chats_next_turns_as_a_session_and_each_matches_alone(serv
     assert [u.get("session_turn") for u in again] == [None, None, 2, 3]
     assert texts == replayed
     assert _verify_faults(server) == faults
+
+
+def test_vllm_session_id_makes_a_budgeted_chat_a_session(server: Server):
+    """vLLM's own ``session_id`` (the ``X-Session-ID`` header, the body field or
+    ``vllm_xargs``) on a budgeted request without ``kv_session``: its next turn continues the
+    cache it left, as with ``kv_session``; h2o, whose sums cannot travel with a cache, keeps its
+    own options (the id stays vLLM's: routing, KV events); without an id nothing continues."""
+    kv = {"kv_budget": 160, "kv_pipeline": "tova"}
+    system = {"role": "system", "content": "Records:\n" + haystack(18, seed=67)}
+    faults = _verify_faults(server)
+
+    def two_turns(tag: str, extra: dict, headers: dict | None = None, pipeline="tova"):
+        messages, turns = [system, {"role": "user", "content": f"Which towns appear? ({tag})"}], []
+        for ask in ("What was traded?", None):
+            body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 12,
+                    "temperature": 0, **kv, "kv_pipeline": pipeline, **extra}  # fmt: skip
+            status, reply = server.post_json("/v1/chat/completions", body, headers=headers)
+            assert status == 200, reply
+            turns.append(reply["usage"]["obcache"].get("session_turn"))
+            if ask:
+                answer = {"role": "assistant", "content": reply["choices"][0]["message"]["content"]}
+                messages = [*messages, answer, {"role": "user", "content": ask}]
+        return turns
+
+    assert two_turns("header", {}, {"X-Session-ID": "chat-header"}) == [None, 2]
+    assert two_turns("body", {"session_id": "chat-body"}) == [None, 2]
+    assert two_turns("xargs", {"vllm_xargs": {"session_id": "chat-xargs"}}) == [None, 2]
+    assert two_turns("none", {}) == [None, None]
+    assert two_turns("h2o", {"session_id": "chat-h2o"}, pipeline="h2o") == [None, None]
+    assert _verify_faults(server) == faults

@@ -1,11 +1,12 @@
 """A fleet through vllm-router (loadtest/fleet.py): the session's server and a second worker
 with the same settings behind the vLLM project's router (PyPI ``vllm-router``), multi-turn
-chats with ``kv_session`` routed by ``consistent_hash`` on their ``X-Session-ID``.
+chats with a budget and vLLM's ``X-Session-ID`` header (no ``kv_session`` field: the id makes
+each turn a session), routed by ``consistent_hash`` on that header.
 
 The report's checks must all pass: every request a 200, each served exactly once (the workers'
 success counters add up to what was sent), both workers used, and every follow-up turn
 continued its chat's compressed cache, which lives in one worker's pool: the router's session
-affinity is what makes ``kv_session`` work in a fleet. ``python -m loadtest fleet`` is the
+affinity is what makes sessions work in a fleet. ``python -m loadtest fleet`` is the
 same run with every worker launched (results/fleet/).
 """
 

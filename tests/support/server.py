@@ -53,13 +53,15 @@ class Server:
         with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as resp:
             return json.loads(resp.read())
 
-    def post_json(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+    def post_json(
+        self, path: str, body: dict, timeout: float = 300, headers: dict | None = None
+    ) -> tuple[int, dict]:
         """POST ``body``; (status, decoded JSON) for success and error statuses alike
         (``{"raw": text}`` when the body is not JSON)."""
         req = urllib.request.Request(
             f"{self.url}{path}",
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **(headers or {})},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:

@@ -152,3 +152,24 @@ def test_a_continuation_is_served_as_a_session_where_the_pipeline_allows() -> No
                                  "kv_pipeline": "h2o"})  # fmt: skip
     at = h2o.resolve(1000, auto_point=800, auto_session=True)  # its sums cannot travel
     assert (at.session, at.compress_at) == (False, 800)
+
+
+@pytest.mark.parametrize(
+    "fields, joins",
+    [
+        ({}, True),
+        ({"kv_compress_at": "auto"}, True),
+        ({"kv_compress_at": 500}, False),  # a position of its own
+        ({"kv_pipeline": "h2o"}, False),  # its running sums cannot travel with the cache
+        ({"kv_prefill_evict": True}, False),
+        ({"kv_when": "pressure"}, False),
+    ],
+)
+def test_a_vllm_session_id_joins_a_session_where_the_options_allow(fields, joins) -> None:
+    request = options.parse_request({"kv_budget": 0.25, **fields})
+    assert request.joins_session() is joins
+    got = request.resolve(1000, session_id="chat-1")
+    assert got.session is joins
+    assert request.resolve(1000).session is False  # no id, no session
+    if joins:
+        assert (got.compress_at, got.budget) == (None, 250)

@@ -86,9 +86,12 @@ class Admitted:
     Lives in ``extra_args["obcache"]`` between the server's prompt check and the input
     processor, which replaces it by the wire tuple (only :func:`admit` makes one, so a client
     cannot send it: a wire tuple or anything else under that key from outside is refused).
+    ``request``: what it was resolved from, for the input processor's one late decision (a
+    vLLM ``session_id``, known only there: :func:`join_session`).
     """
 
     options: KvOptions
+    request: KvRequest | None = None
 
 
 def rejected(exc: KvOptionsError):
@@ -231,7 +234,38 @@ def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, a
             True,
         )
     check_fits(vllm_config, num_prompt_tokens, max_tokens, options)
-    return Admitted(options)
+    return Admitted(options, request)
+
+
+def join_session(vllm_config, admitted: Admitted, engine_request) -> Admitted:
+    """The request carries vLLM's ``session_id`` (its body, the ``X-Session-ID`` header or
+    ``vllm_xargs``; vLLM resolves them onto the engine request): it takes part in that session,
+    as ``kv_session`` would (its entry is found by its tokens, so a turn continues the cache
+    its session's last turn left), where its options allow one
+    (:meth:`~obcache_vllm.options.KvRequest.joins_session`) and prefix caching is on. A
+    request the session would not fit keeps its own options."""
+    session_id = getattr(engine_request, "session_id", None)
+    request = admitted.request
+    if (
+        not session_id
+        or request is None
+        or admitted.options.session
+        or not request.joins_session()
+        or not vllm_config.cache_config.enable_prefix_caching
+    ):
+        return admitted
+    from vllm.utils import length_from_prompt_token_ids_or_embeds
+
+    num_prompt = length_from_prompt_token_ids_or_embeds(
+        engine_request.prompt_token_ids, engine_request.prompt_embeds
+    )
+    max_len = vllm_config.model_config.max_model_len
+    try:
+        options = request.resolve(num_prompt, max_len, session_id=session_id)
+        check_fits(vllm_config, num_prompt, engine_request.sampling_params.max_tokens, options)
+    except KvOptionsError:
+        return admitted
+    return Admitted(options, request)
 
 
 def check_fits(vllm_config, num_prompt_tokens: int, max_tokens, options) -> None:
@@ -253,7 +287,8 @@ def admit_fields(vllm_config, fields: Mapping[str, Any] | None, num_prompt_token
 def admit_engine_request(vllm_config, engine_request) -> None:
     """The input processor's step: the request leaves the front end with its wire form.
 
-    * ``Admitted`` (the server admitted it on the rendered prompt): encoded as is.
+    * ``Admitted`` (the server admitted it on the rendered prompt): encoded as is, or joined
+      to the vLLM ``session_id`` the request carries (:func:`join_session`).
     * ``KvRequest`` (parsed by the server, not admitted yet): admitted here.
     * raw ``kv_*`` extra_args (offline ``LLM``): parsed and admitted here.
     * anything else under the reserved key: refused.
@@ -303,6 +338,8 @@ def admit_engine_request(vllm_config, engine_request) -> None:
     if admitted is None:  # the policy's budget does not apply: a stock request
         params.extra_args = rest or None
         return
+    if embeds is None:
+        admitted = join_session(vllm_config, admitted, engine_request)
     params.extra_args = {**rest, ADMITTED_KEY: admitted.options.to_wire()}
 
 
