@@ -1,10 +1,10 @@
 """Multi-turn chats at the pool's limit, the shape of vLLM's multi-turn benchmark, stock in the
 same run.
 
-vLLM's ``benchmarks/multi_turn`` client (not shipped in the wheel) drives synthetic chats: a
-prefix common to every conversation, a prefix of each conversation's own, user turns of
-120-160 tokens, answers forced to 80-120 tokens (``min_tokens`` = ``max_tokens``) and fed back
-as the next turn's history, ``--num-clients`` clients with one request in flight each, each
+vLLM's multi-turn serving benchmark client (in vLLM's repository, not in the wheel) drives
+synthetic chats: a prefix common to every conversation, a prefix of each conversation's own,
+user turns of 120-160 tokens, answers forced to 80-120 tokens (``min_tokens`` =
+``max_tokens``) and fed back as the next turn's history, ``--num-clients`` clients with one request in flight each, each
 cycling round-robin over its share of ``--max-active-conversations`` and replacing a finished
 conversation from a shared queue. This module does the same, smaller for a CPU (defaults below),
 with text from :func:`obcache_vllm.textgen.haystack` instead of a book:

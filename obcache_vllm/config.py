@@ -236,24 +236,45 @@ def merge_request(defaults: Mapping[str, Any], requested: Mapping[str, Any]) -> 
 
 ENTRY_SHARE_ENV = "OBCACHE_ENTRY_POOL_SHARE"
 DEFAULT_ENTRY_SHARE = 0.25
+ENTRY_SHARE_MAX_ENV = "OBCACHE_ENTRY_POOL_SHARE_MAX"
+DEFAULT_ENTRY_SHARE_MAX = 0.75
 
 
-def entry_pool_share(environ: Mapping[str, str] | None = None) -> float:
-    """The share of the KV pool that compressed contexts may hold out of vLLM's LRU
-    (``$OBCACHE_ENTRY_POOL_SHARE``, 0 to 1; default 0.25; 0: entries are ordinary free cached
-    blocks). See :class:`obcache_vllm.eviction.entries.HeldEntries`.
-
-    Raises:
-        ConfigError: not a number in [0, 1] (the message names the variable).
-    """
-    environ = os.environ if environ is None else environ
-    raw = environ.get(ENTRY_SHARE_ENV)
+def _share(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name)
     if raw is None or raw == "":
-        return DEFAULT_ENTRY_SHARE
+        return default
     try:
         share = float(raw)
     except ValueError:
         share = -1.0
     if not 0.0 <= share <= 1.0:
-        raise ConfigError(f"{ENTRY_SHARE_ENV}={raw!r}: must be a number from 0 to 1")
+        raise ConfigError(f"{name}={raw!r}: must be a number from 0 to 1")
     return share
+
+
+def entry_pool_share(environ: Mapping[str, str] | None = None) -> float:
+    """The share of the KV pool that compressed contexts keep out of vLLM's LRU even against
+    waiting requests (``$OBCACHE_ENTRY_POOL_SHARE``, 0 to 1; default 0.25; 0: entries are
+    ordinary free cached blocks). See :class:`obcache_vllm.eviction.entries.HeldEntries`.
+
+    Raises:
+        ConfigError: not a number in [0, 1] (the message names the variable).
+    """
+    environ = os.environ if environ is None else environ
+    return _share(environ, ENTRY_SHARE_ENV, DEFAULT_ENTRY_SHARE)
+
+
+def entry_pool_share_max(environ: Mapping[str, str] | None = None) -> float:
+    """The share of the KV pool that compressed contexts may hold while no request waits for
+    it (``$OBCACHE_ENTRY_POOL_SHARE_MAX``, default 0.75, never below
+    :func:`entry_pool_share`): holds above the base share give way to a waiting request.
+
+    Raises:
+        ConfigError: not a number in [0, 1] (the message names the variable).
+    """
+    environ = os.environ if environ is None else environ
+    base = entry_pool_share(environ)
+    if base == 0.0:
+        return 0.0  # holding is off
+    return max(base, _share(environ, ENTRY_SHARE_MAX_ENV, DEFAULT_ENTRY_SHARE_MAX))

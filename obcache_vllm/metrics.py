@@ -123,8 +123,9 @@ HELD_BLOCKS = MetricSpec(
     "vllm:obcache_held_blocks",
     "gauge",
     "KV-cache blocks that compressed contexts hold out of vLLM's LRU (counted as used in "
-    "vllm:kv_cache_usage_perc; bounded by OBCACHE_ENTRY_POOL_SHARE of the pool, given up before "
-    "any request is preempted for them).",
+    "vllm:kv_cache_usage_perc; bounded by OBCACHE_ENTRY_POOL_SHARE_MAX of the pool, given up "
+    "before any request is preempted for them, and above OBCACHE_ENTRY_POOL_SHARE to a request "
+    "waiting for blocks).",
 )
 
 PRESSURE_COMPRESSIONS = MetricSpec(

@@ -197,13 +197,20 @@ class HeldEntries:
     adapter lets them go, oldest first, whenever a running request would otherwise be
     preempted or a waiting one could never be admitted (nothing else running). A released
     entry stays valid as ordinary free cached blocks until the LRU reuses one of them.
-    Plain Python: the adapter takes and drops the references.
+
+    The share adapts to the queue: entries may be held up to ``limit`` blocks while no request
+    waits for room, but only ``base`` of them against a waiting request; above ``base`` the
+    least recently used give way to a request waiting for blocks (:meth:`surplus_victim`),
+    so held entries use room the pool has spare and never keep the queue waiting for more
+    than ``base``. Plain Python: the adapter takes and drops the references.
     """
 
-    def __init__(self, limit: int) -> None:
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
+    def __init__(self, limit: int, base: int | None = None) -> None:
+        base = limit if base is None else base
+        if limit < 0 or not 0 <= base <= limit:
+            raise ValueError(f"need 0 <= base <= limit, got base {base}, limit {limit}")
         self.limit = limit
+        self.base = base
         self._held: OrderedDict[int, int] = OrderedDict()  # entry id -> blocks, oldest first
         self.blocks = 0
 
@@ -233,6 +240,14 @@ class HeldEntries:
 
     def oldest(self) -> int | None:
         return next(iter(self._held), None)
+
+    def surplus_victim(self, keep: int | None = None) -> int | None:
+        """The entry to release for a waiting request: the least recently used one other than
+        ``keep`` (the entry that request adopts), while more than ``base`` blocks are held;
+        None when the hold is within its base share."""
+        if self.blocks <= self.base:
+            return None
+        return next((e for e in self._held if e != keep), None)
 
     def drop(self, entry_id: int) -> bool:
         num_blocks = self._held.pop(entry_id, None)

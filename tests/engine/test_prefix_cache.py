@@ -48,10 +48,11 @@ def _questions(tokenizer):
     ]
 
 
-def _generate(engine, prompt, kv=None, max_tokens=8):
+def _generate(engine, prompt, kv=None, max_tokens=8, ignore_eos=False):
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=dict(kv or {}) or None)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                            extra_args=dict(kv or {}) or None)  # fmt: skip
     out = engine.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     usage = (out.kv_transfer_params or {}).get("obcache")
     return list(out.outputs[0].token_ids), out.num_cached_tokens, usage, out.request_id
@@ -277,3 +278,45 @@ def test_auto_compresses_the_shared_document_once_offline(fresh, tokenizer):
     explicit = {**kv, "kv_compress_at": point}
     again, _, usage, _ = _generate(fresh, doc + questions[0], explicit)
     assert "reused_tokens" not in usage and again == third_tokens
+
+
+def test_holds_above_the_base_share_give_way_to_a_waiting_request(fresh, tokenizer):
+    """Entries are held up to OBCACHE_ENTRY_POOL_SHARE_MAX of the pool while nobody waits; a
+    request that waits for blocks while another runs takes the holds above
+    OBCACHE_ENTRY_POOL_SHARE (least recently used first) and runs beside it, instead of
+    waiting for it to finish. Nobody is preempted, and each gets its tokens alone."""
+    from support.engine import Driver
+
+    engine = fresh
+    prefix = engine.scheduler.obcache_prefix
+    docs = [_doc(tokenizer, sentences=33, seed=70 + i)[:1000] for i in range(5)]
+    for doc in docs:  # five entries of ~11 blocks: more than the base share (23 blocks)
+        _generate(engine, doc + _questions(tokenizer)[0],
+                  {"kv_budget": 320, "kv_compress_at": len(doc), "kv_pipeline": "tova"})
+    assert len(prefix.held) == 5 and prefix.held.blocks > prefix.held.base
+    surplus = prefix.held_surplus
+    free = engine.pool.get_num_free_blocks()
+    short_prompt = _doc(tokenizer, sentences=8, seed=90)[:200]  # 7 blocks, then it grows
+    long_len = (free - 7 + 3) * BS - 1  # 3 blocks more than are free beside the short one
+    assert 3 < surplus and long_len < 2048 - 8
+    long_prompt = _doc(tokenizer, sentences=50, seed=91)[:long_len]
+    driver = Driver(engine)
+    preempted, preempt = [], engine.scheduler._preempt_request
+
+    def counting(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    engine.scheduler._preempt_request = counting
+    try:
+        a = driver.add("short", short_prompt, 96, ignore_eos=True)
+        b = driver.add("long", long_prompt, 4, ignore_eos=True)
+        outputs = driver.run()
+    finally:
+        del engine.scheduler._preempt_request
+    assert driver.max_running == 2 and preempted == []  # the long one ran beside the short one
+    assert prefix.counts[("compress_at", "released")] >= 1
+    assert prefix.held.blocks >= prefix.held.base  # only the surplus gave way
+    # unbudgeted requests: each alone gives the same tokens (stock parity: tests/vllm/)
+    assert outputs[a] == _generate(engine, short_prompt, max_tokens=96, ignore_eos=True)[0]
+    assert outputs[b] == _generate(engine, long_prompt, max_tokens=4, ignore_eos=True)[0]

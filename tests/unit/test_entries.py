@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from obcache_vllm.config import ConfigError, entry_pool_share
+from obcache_vllm.config import ConfigError, entry_pool_share, entry_pool_share_max
 from obcache_vllm.eviction.entries import Entry, EntryIndex, EntryKey, HeldEntries, is_tag, tag
 
 
@@ -60,3 +60,26 @@ def test_entry_pool_share_from_the_environment():
     for bad in ("1.5", "-0.1", "nan", "half"):
         with pytest.raises(ConfigError, match="OBCACHE_ENTRY_POOL_SHARE"):
             entry_pool_share({"OBCACHE_ENTRY_POOL_SHARE": bad})
+
+
+def test_entry_pool_share_max_from_the_environment():
+    assert entry_pool_share_max({}) == 0.75
+    assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE_MAX": "0.5"}) == 0.5
+    # never below the base share; holding off turns the surplus off too
+    assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE": "0.9"}) == 0.9
+    assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE": "0"}) == 0.0
+    with pytest.raises(ConfigError, match="OBCACHE_ENTRY_POOL_SHARE_MAX"):
+        entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE_MAX": "2"})
+
+
+def test_holds_above_the_base_share_give_way_to_a_waiting_request():
+    held = HeldEntries(limit=12, base=4)
+    assert held.hold(1, 4) == [] and held.surplus_victim() is None  # within the base share
+    assert held.hold(2, 4) == [] and held.hold(3, 4) == []  # up to the limit while none waits
+    assert held.surplus_victim() == 1  # least recently used first
+    assert held.surplus_victim(keep=1) == 2  # never the entry the waiting request adopts
+    held.drop(1)
+    held.drop(2)
+    assert held.blocks == 4 and held.surplus_victim() is None  # back within the base share
+    with pytest.raises(ValueError):
+        HeldEntries(limit=4, base=5)

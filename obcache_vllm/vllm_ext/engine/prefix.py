@@ -19,10 +19,11 @@ objects):
   ``[null] * dead + live`` (vLLM copies a partial last block itself; a copy chained on the
   entry's own pending copy is resolved by :meth:`.blocks.PoolAdapter.take_kv_cache_block_copies`).
   Entries are held out
-  of the LRU within ``OBCACHE_ENTRY_POOL_SHARE`` of the pool (one reference per block,
+  of the LRU within ``OBCACHE_ENTRY_POOL_SHARE_MAX`` of the pool (one reference per block,
   :class:`~obcache_vllm.eviction.entries.HeldEntries`) and given up, least recently adopted
-  first, when an allocation fails for a running request (before vLLM preempts) or for a
-  waiting one with nothing running (:meth:`PrefixAdapter.reclaim`, called by
+  first, when an allocation fails for a running request (before vLLM preempts), for a
+  waiting one while more than ``OBCACHE_ENTRY_POOL_SHARE`` is held, or for a waiting one with
+  nothing running (:meth:`PrefixAdapter.reclaim`, called by
   :meth:`.blocks.PoolAdapter.allocate_slots`).
 * **KV events** (``--kv-events-config``): registered blocks hold stock KV and are published
   by vLLM as usual; entry blocks carry tags (:func:`~obcache_vllm.eviction.entries.tag`)
@@ -42,7 +43,7 @@ import logging
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from obcache_vllm.config import entry_pool_share
+from obcache_vllm.config import entry_pool_share, entry_pool_share_max
 from obcache_vllm.eviction.entries import Entry, EntryIndex, EntryKey, HeldEntries, is_tag, tag
 from obcache_vllm.eviction.ledger import CacheStart, RequestBlocks
 from obcache_vllm.vllm_ext.patching import patch_method
@@ -70,7 +71,10 @@ class PrefixAdapter:
             self.pool.hash_block_size == self.block_size
         )
         self.entries = EntryIndex(capacity)
-        self.held = HeldEntries(int(entry_pool_share() * (self.pool.num_gpu_blocks - 1)))
+        usable = self.pool.num_gpu_blocks - 1
+        self.held = HeldEntries(
+            int(entry_pool_share_max() * usable), base=int(entry_pool_share() * usable)
+        )
         self._held_blocks: dict[int, list] = {}  # entry id -> the blocks it holds a ref on
         # Destination block id -> its entry, for entry copies queued and not yet taken by
         # vLLM's schedule() (between two steps; see drop_pending_copies).
@@ -370,6 +374,11 @@ class PrefixAdapter:
         self._held_blocks[entry.entry_id] = (entry.key.kind, list(blocks))
 
     @property
+    def held_surplus(self) -> int:
+        """Held blocks above the base share: what a waiting request may take."""
+        return max(0, self.held.blocks - self.held.base)
+
+    @property
     def reclaimable_blocks(self) -> int:
         """Held blocks that releasing holds would return to the pool: those no request
         references (a running adopter keeps its entry's blocks whatever the hold)."""
@@ -403,15 +412,22 @@ class PrefixAdapter:
         """An allocation for ``request`` failed: release the least recently used held entry if
         that is what stands between the request and the pool (a running request would be
         preempted; a waiting one, with nothing running, would never be admitted). A waiting
-        request while others run waits for them, as in stock vLLM. Returns whether one was
-        released (the caller retries)."""
+        request while others run gets the holds above the base share (not the entry it adopts:
+        :meth:`HeldEntries.surplus_victim`), then waits for the running ones, as in stock vLLM.
+        Returns whether one was released (the caller retries)."""
         from vllm.v1.request import RequestStatus
 
         oldest = self.held.oldest()
         if oldest is None:
             return False
         if request.status != RequestStatus.RUNNING and self.scheduler.running:
-            return False
+            blocks = self.scheduler.obcache_ledger.get(request.request_id)
+            start = blocks.start if blocks is not None else None
+            victim = self.held.surplus_victim(start.entry_id if start is not None else None)
+            if victim is None:
+                return False
+            self._unhold(victim)
+            return True
         self._unhold(oldest)
         return True
 

@@ -88,10 +88,14 @@ class PressurePlanner:
         freed = sum(o.blocks_freed for o in orders.values())
         free = self.pool.pool.get_num_free_blocks() + freed
         # Blocks held for compressed contexts are given up before a running request is
-        # preempted (PrefixAdapter.reclaim), not for a waiting one while others run.
-        held = self.scheduler.obcache_prefix.reclaimable_blocks
+        # preempted (PrefixAdapter.reclaim); for a waiting one while others run, only the
+        # holds above the base share.
+        prefix = self.scheduler.obcache_prefix
+        held = prefix.reclaimable_blocks
+        surplus = min(held, prefix.held_surplus)
         short_running = need_running - free - held
-        short = max(0, short_running) + max(0, self._waiting_need() - max(0, free - need_running))
+        room = max(0, free + surplus - need_running)
+        short = max(0, short_running) + max(0, self._waiting_need() - room)
         if short <= 0:
             return {}
         requests = self.scheduler.requests
