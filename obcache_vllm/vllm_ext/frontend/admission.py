@@ -284,6 +284,47 @@ def admit_fields(vllm_config, fields: Mapping[str, Any] | None, num_prompt_token
     return None if admitted is None else admitted.options
 
 
+# The kv_hints action that carries kv_* options (vLLM's KvHintsEnvelope, v1/kv_hints/protocol.py):
+# an orchestrator that drives the engine API sets a request's budget or session with it.
+HINT_ACTION_TYPE = "obcache.kv_options"
+HINT_ACTION_VERSION = "1"
+
+
+def hinted_fields(kv_hints) -> dict[str, Any]:
+    """The kv_* fields of a request's ``kv_hints`` envelope: the payload of its
+    ``obcache.kv_options`` action (version ``1``; other actions are other components'), or
+    ``{}``. The payload holds request fields by their wire names (``{"kv_budget": 0.25}``).
+
+    Raises:
+        KvOptionsError: field ``kv_hints``: more than one such action, another version, a
+            payload that is not an object of kv_* fields, or a field outside the option set.
+    """
+    actions = [a for a in (getattr(kv_hints, "actions", None) or ())
+               if getattr(a, "action_type", None) == HINT_ACTION_TYPE]  # fmt: skip
+    if not actions:
+        return {}
+    if len(actions) > 1:
+        raise KvOptionsError("kv_hints", f"more than one {HINT_ACTION_TYPE} action", len(actions))
+    action = actions[0]
+    if action.action_version != HINT_ACTION_VERSION:
+        raise KvOptionsError(
+            "kv_hints",
+            f"{HINT_ACTION_TYPE} version {action.action_version!r} is not supported "
+            f"(supported: {HINT_ACTION_VERSION!r})",
+            action.action_version,
+        )
+    payload = action.payload
+    if not isinstance(payload, Mapping):
+        raise KvOptionsError("kv_hints", f"{HINT_ACTION_TYPE} payload must be an object", payload)
+    bad = sorted(k for k in payload if not isinstance(k, str) or not is_kv_option(k))
+    if bad:
+        raise KvOptionsError(
+            "kv_hints", f"{HINT_ACTION_TYPE} payload holds kv_* fields only, not {bad[0]!r}",
+            bad[0],
+        )  # fmt: skip
+    return dict(payload)
+
+
 def admit_engine_request(vllm_config, engine_request) -> None:
     """The input processor's step: the request leaves the front end with its wire form.
 
@@ -293,6 +334,10 @@ def admit_engine_request(vllm_config, engine_request) -> None:
     * raw ``kv_*`` extra_args (offline ``LLM``): parsed and admitted here.
     * anything else under the reserved key: refused.
     * no options: a stock request; only the pool's size can refuse it.
+
+    The engine API's ``kv_hints`` (:func:`hinted_fields`) give a request kv_* fields an
+    orchestrator chose: the request's own kv_* ``extra_args`` win field by field, the hint
+    fills in the rest (a request the server already parsed or admitted keeps its own).
 
     The request's ``sampling_params`` is the input processor's own copy: its ``extra_args``
     is replaced, never mutated (the caller's params may be shared across prompts).
@@ -305,7 +350,11 @@ def admit_engine_request(vllm_config, engine_request) -> None:
         return
     extra = params.extra_args or {}
     value = extra.get(ADMITTED_KEY)
-    has_fields = any(is_kv_option(k) for k in extra)
+    try:
+        hints = hinted_fields(getattr(engine_request, "kv_hints", None)) if value is None else {}
+    except KvOptionsError as exc:
+        raise rejected(exc) from exc
+    has_fields = any(is_kv_option(k) for k in extra) or bool(hints)
     if value is None and not has_fields:
         if pool_is_short(vllm_config):
             _check_unbudgeted(vllm_config, engine_request)
@@ -320,8 +369,11 @@ def admit_engine_request(vllm_config, engine_request) -> None:
         elif value is not None and not isinstance(value, KvRequest):
             raise KvOptionsError(ADMITTED_KEY, "is reserved for obcache-vllm's admission", value)
         else:
-            request = value if value is not None else parse_request(extra)
-            if request is None:
+            own = {k: v for k, v in extra.items() if is_kv_option(k)}
+            request = value if value is not None else parse_request({**hints, **own})
+            if request is None:  # "kv_budget": null: a stock request, its fields dropped
+                kept = {k: v for k, v in extra.items() if not is_kv_option(k)}
+                params.extra_args = kept or None
                 return
             admitted = admit(
                 vllm_config,
