@@ -4,10 +4,11 @@ same run.
 vLLM's multi-turn serving benchmark client (in vLLM's repository, not in the wheel) drives
 synthetic chats: a prefix common to every conversation, a prefix of each conversation's own,
 user turns of 120-160 tokens, answers forced to 80-120 tokens (``min_tokens`` =
-``max_tokens``) and fed back as the next turn's history, ``--num-clients`` clients with one request in flight each, each
-cycling round-robin over its share of ``--max-active-conversations`` and replacing a finished
-conversation from a shared queue. This module does the same, smaller for a CPU (defaults below),
-with text from :func:`obcache_vllm.textgen.haystack` instead of a book:
+``max_tokens``) and fed back as the next turn's history, ``--num-clients`` clients with one
+request in flight each, each cycling round-robin over its share of
+``--max-active-conversations`` and replacing a finished conversation from a shared queue.
+This module does the same, smaller for a CPU (defaults below), with text from
+:func:`obcache_vllm.textgen.haystack` instead of a book:
 
 * common prefix ~300 tokens (a system message shared by every conversation), each
   conversation's own document ~600 tokens in its first user turn, user turns ~60-100 tokens,

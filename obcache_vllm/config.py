@@ -237,7 +237,11 @@ def merge_request(defaults: Mapping[str, Any], requested: Mapping[str, Any]) -> 
 ENTRY_SHARE_ENV = "OBCACHE_ENTRY_POOL_SHARE"
 DEFAULT_ENTRY_SHARE = 0.25
 ENTRY_SHARE_MAX_ENV = "OBCACHE_ENTRY_POOL_SHARE_MAX"
-DEFAULT_ENTRY_SHARE_MAX = 0.75
+# Unset: the base share (no surplus). Measured (docs/evidence/prefix_caching.md, sessions.md):
+# 0.75 took shared documents from 1.71x to 1.98x stock, but round-robin chats from 41 to 38
+# continued follow-ups of 44 (the least recently used entry is the next chat's), so it is an
+# operator's choice, not the default.
+DEFAULT_ENTRY_SHARE_MAX = None
 
 
 def _share(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -267,8 +271,8 @@ def entry_pool_share(environ: Mapping[str, str] | None = None) -> float:
 
 def entry_pool_share_max(environ: Mapping[str, str] | None = None) -> float:
     """The share of the KV pool that compressed contexts may hold while no request waits for
-    it (``$OBCACHE_ENTRY_POOL_SHARE_MAX``, default 0.75, never below
-    :func:`entry_pool_share`): holds above the base share give way to a waiting request.
+    it (``$OBCACHE_ENTRY_POOL_SHARE_MAX``; unset: :func:`entry_pool_share`, never below it):
+    holds above the base share give way to a waiting request.
 
     Raises:
         ConfigError: not a number in [0, 1] (the message names the variable).
@@ -277,4 +281,4 @@ def entry_pool_share_max(environ: Mapping[str, str] | None = None) -> float:
     base = entry_pool_share(environ)
     if base == 0.0:
         return 0.0  # holding is off
-    return max(base, _share(environ, ENTRY_SHARE_MAX_ENV, DEFAULT_ENTRY_SHARE_MAX))
+    return max(base, _share(environ, ENTRY_SHARE_MAX_ENV, DEFAULT_ENTRY_SHARE_MAX or base))

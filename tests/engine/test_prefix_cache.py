@@ -285,10 +285,20 @@ def test_holds_above_the_base_share_give_way_to_a_waiting_request(fresh, tokeniz
     request that waits for blocks while another runs takes the holds above
     OBCACHE_ENTRY_POOL_SHARE (least recently used first) and runs beside it, instead of
     waiting for it to finish. Nobody is preempted, and each gets its tokens alone."""
-    from support.engine import Driver
-
     engine = fresh
     prefix = engine.scheduler.obcache_prefix
+    # OBCACHE_ENTRY_POOL_SHARE_MAX=0.75 (the session engine runs with the default: none)
+    limit, prefix.held.limit = prefix.held.limit, int(0.75 * (POOL_BLOCKS - 1))
+    try:
+        _surplus_gives_way(engine, prefix, tokenizer)
+    finally:
+        prefix.release_all()
+        prefix.held.limit = limit
+
+
+def _surplus_gives_way(engine, prefix, tokenizer):
+    from support.engine import Driver
+
     docs = [_doc(tokenizer, sentences=33, seed=70 + i)[:1000] for i in range(5)]
     for doc in docs:  # five entries of ~11 blocks: more than the base share (23 blocks)
         _generate(engine, doc + _questions(tokenizer)[0],

@@ -63,8 +63,8 @@ def test_entry_pool_share_from_the_environment():
 
 
 def test_entry_pool_share_max_from_the_environment():
-    assert entry_pool_share_max({}) == 0.75
-    assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE_MAX": "0.5"}) == 0.5
+    assert entry_pool_share_max({}) == 0.25  # unset: the base share, no surplus
+    assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE_MAX": "0.75"}) == 0.75
     # never below the base share; holding off turns the surplus off too
     assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE": "0.9"}) == 0.9
     assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE": "0"}) == 0.0
