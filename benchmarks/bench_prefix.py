@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from loadtest.launch import launched  # noqa: E402
 from loadtest.scrape import Snapshot  # noqa: E402
+from loadtest.stream import post_streamed  # noqa: E402
 from obcache_vllm.textgen import haystack  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -122,30 +123,9 @@ def _applies(arm: str, workload: str) -> bool:
     return arm in ("stock", "policy") or (arm in ("compress_at", "whole")) == docs
 
 
-async def _stream(session, url: str, path: str, body: dict) -> tuple[int, float | None, float,
-                                                                     dict, str]:
+async def _stream(session, url: str, path: str, body: dict):
     """POST a streamed request; (status, ttft, latency, usage, text)."""
-    import aiohttp
-
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, usage, parts = None, {}, []
-    async with session.post(url + path, json=body, timeout=aiohttp.ClientTimeout(total=1800)) as r:
-        if r.status != 200:
-            return r.status, None, time.perf_counter() - start, {}, await r.text()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - start
-                parts.append(piece)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    return 200, ttft, time.perf_counter() - start, usage, "".join(parts)
+    return await post_streamed(session, url + path, body)
 
 
 def _sample(workload, arm, group, index, result) -> Sample:

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 
 from loadtest.launch import launched
 from loadtest.scrape import Snapshot
+from loadtest.stream import post_streamed
 from obcache_vllm.textgen import haystack
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -84,51 +85,30 @@ class Conversation:
     answer_tokens: tuple[int, ...]
 
 
-def conversations(count: int, seed: int = 0) -> list[Conversation]:
-    """The synthetic conversations (same count and seed: the same conversations)."""
+def conversations(
+    count: int, seed: int = 0, turns: tuple[int, int] = (6, 8), doc: tuple[int, int] = (500, 700)
+) -> list[Conversation]:
+    """The synthetic conversations (same arguments: the same conversations); ``turns`` and
+    ``doc`` (the document's tokens) are ranges drawn from."""
     rng = random.Random(seed)
     out = []
+    lo, hi = turns
     for c in range(count):
-        turns = rng.randint(6, 8)
-        doc = haystack(_sentences(rng.randint(500, 700)), seed=1000 + c)
+        n_turns = rng.randint(lo, hi)
+        document = haystack(_sentences(rng.randint(*doc)), seed=1000 + c)
         questions = tuple(
             f"{c * 100 + t} is a nice number. Rewrite this and add a detail: "
             + haystack(_sentences(rng.randint(60, 100)), seed=5000 + c * 100 + t)
-            for t in range(turns)
+            for t in range(n_turns)
         )
-        answers = tuple(rng.randint(40, 60) for _ in range(turns))
-        out.append(Conversation(c, doc, questions, answers))
+        answers = tuple(rng.randint(40, 60) for _ in range(n_turns))
+        out.append(Conversation(c, document, questions, answers))
     return out
 
 
 SYSTEM = "You are a careful archivist. House rules and reference:\n" + haystack(
     _sentences(300), seed=777
 )
-
-
-async def _post(session, url: str, body: dict, headers: dict | None = None):
-    import aiohttp
-
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, usage, parts = None, {}, []
-    async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers,
-                            timeout=aiohttp.ClientTimeout(total=1800)) as r:  # fmt: skip
-        if r.status != 200:
-            return r.status, None, time.perf_counter() - start, {}, await r.text()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - start
-                parts.append(piece)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    return 200, ttft, time.perf_counter() - start, usage, "".join(parts)
 
 
 async def drive(url: str, arm: str, body: dict, convs: list[Conversation], clients: int,
@@ -157,7 +137,9 @@ async def drive(url: str, arm: str, body: dict, convs: list[Conversation], clien
             request = {"model": MODEL, "messages": messages, "temperature": 0, "seed": 0,
                        "max_tokens": n, "min_tokens": n, **body}  # fmt: skip
             headers = {"X-Session-ID": f"conversation-{conv.index}"} if session_ids else None
-            status, ttft, latency, usage, text = await _post(session, url, request, headers)
+            status, ttft, latency, usage, text = await post_streamed(
+                session, f"{url}/v1/chat/completions", request, headers
+            )
             turns.append(Turn(arm, conv.index, t + 1, index, status, ttft, latency,
                               usage.get("prompt_tokens"), usage.get("completion_tokens"),
                               usage.get("obcache")))  # fmt: skip

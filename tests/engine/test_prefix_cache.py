@@ -7,6 +7,8 @@ engine, same chunking): the same kept tokens in every layer and the same output 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from support.engine import POOL_BLOCKS, run_stock
 from support.texts import haystack
@@ -46,6 +48,22 @@ def _questions(tokenizer):
         tokenizer(" Question: which town traded the most crates? Answer:").input_ids,
         tokenizer(" Question: in which season did it happen? Answer:").input_ids,
     ]
+
+
+@contextlib.contextmanager
+def _counting_preemptions(engine):
+    """The ids of the requests the scheduler preempts inside the block."""
+    preempted, preempt = [], engine.scheduler._preempt_request
+
+    def counting(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    engine.scheduler._preempt_request = counting
+    try:
+        yield preempted
+    finally:
+        del engine.scheduler._preempt_request
 
 
 def _generate(engine, prompt, kv=None, max_tokens=8, ignore_eos=False):
@@ -149,19 +167,10 @@ def test_held_entries_survive_traffic_give_way_to_requests_then_die_cleanly(fres
     new_tokens = 3 * BS
     assert 2 * (need - new_tokens) // BS < free < 2 * need // BS <= POOL_BLOCKS - 1
     prompts = [_doc(tokenizer, sentences=60, seed=10 + i)[: need - new_tokens] for i in (0, 1)]
-    preempted, preempt = [], engine.scheduler._preempt_request
-
-    def counting(request, *args, **kwargs):
-        preempted.append(request.request_id)
-        return preempt(request, *args, **kwargs)
-
-    engine.scheduler._preempt_request = counting
-    try:
+    with _counting_preemptions(engine) as preempted:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                    use_tqdm=False)  # fmt: skip
-    finally:
-        del engine.scheduler._preempt_request
     assert [len(o.outputs[0].token_ids) for o in outs] == [new_tokens, new_tokens]
     assert preempted == [] and entry.entry_id not in prefix.held
     assert prefix.counts[("compress_at", "released")] >= 1
@@ -311,19 +320,10 @@ def _surplus_gives_way(engine, prefix, tokenizer):
     assert 3 < surplus and long_len < 2048 - 8
     long_prompt = _doc(tokenizer, sentences=50, seed=91)[:long_len]
     driver = Driver(engine)
-    preempted, preempt = [], engine.scheduler._preempt_request
-
-    def counting(request, *args, **kwargs):
-        preempted.append(request.request_id)
-        return preempt(request, *args, **kwargs)
-
-    engine.scheduler._preempt_request = counting
-    try:
+    with _counting_preemptions(engine) as preempted:
         a = driver.add("short", short_prompt, 96, ignore_eos=True)
         b = driver.add("long", long_prompt, 4, ignore_eos=True)
         outputs = driver.run()
-    finally:
-        del engine.scheduler._preempt_request
     assert driver.max_running == 2 and preempted == []  # the long one ran beside the short one
     assert prefix.counts[("compress_at", "released")] >= 1
     assert prefix.held.blocks >= prefix.held.base  # only the surplus gave way
