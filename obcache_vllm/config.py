@@ -239,8 +239,8 @@ DEFAULT_ENTRY_SHARE = 0.25
 ENTRY_SHARE_MAX_ENV = "OBCACHE_ENTRY_POOL_SHARE_MAX"
 # Unset: the base share (no surplus). Measured (docs/evidence/prefix_caching.md, sessions.md):
 # 0.75 took shared documents from 1.71x to 1.98x stock, but round-robin chats from 41 to 38
-# continued follow-ups of 44 (the least recently used entry is the next chat's), so it is an
-# operator's choice, not the default.
+# continued follow-ups of 44 (likely: the least recently used entry is the next chat's), so
+# it is an operator's choice, not the default.
 DEFAULT_ENTRY_SHARE_MAX = None
 
 
