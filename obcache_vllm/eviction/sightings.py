@@ -92,32 +92,27 @@ class PrefixSightings:
                 if hashes[i] in self._seen:
                     shared = (i + 1) * bs
                     break
+            # A recorded prompt of k whole blocks and a t-token tail is a strict prefix of
+            # this one when its k blocks match (k <= shared blocks) and so do the next t tokens.
             continues = any(
-                start + tail < len(token_ids)
-                and hash((bases[k], tuple(token_ids[start : start + tail]))) in self._ends
+                k * bs + t < len(token_ids)
+                and hash((bases[k], tuple(token_ids[k * bs : k * bs + t]))) in self._ends
                 for k in range(shared // bs, -1, -1)
-                for start in (k * bs,)
-                for tail in self._tails.get(bases[k], ())
+                for t in self._tails.get(bases[k], ())
             )
             for h in hashes:
                 self._seen[h] = None
                 self._seen.move_to_end(h)
-            full = len(hashes)
-            tail = tuple(token_ids[full * bs :])
-            self._ends[hash((bases[full], tail))] = None
-            self._ends.move_to_end(hash((bases[full], tail)))
-            self._tails.setdefault(bases[full], set()).add(len(tail))
-            self._tails.move_to_end(bases[full])
+            base, tail = bases[-1], tuple(token_ids[len(hashes) * bs :])
+            end = hash((base, tail))
+            self._ends[end] = None
+            self._ends.move_to_end(end)
+            self._tails.setdefault(base, set()).add(len(tail))
+            self._tails.move_to_end(base)
             for index in (self._seen, self._ends, self._tails):
                 while len(index) > self.capacity:
                     index.popitem(last=False)
         return Sighting(shared, continues)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._seen.clear()
-            self._ends.clear()
-            self._tails.clear()
 
     def __len__(self) -> int:
         return len(self._seen)
