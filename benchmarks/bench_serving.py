@@ -71,6 +71,13 @@ WORKLOADS: dict[str, Workload] = {
                            None, 230, same_pool=True, note="long-context decode speed"),
     "long-7k-b8": Workload(8, 7000, 128, {"kv_budget": 0.1, "kv_decode": True, **TOVA_KEY},
                            None, 1800, same_pool=True, note="long-context decode speed"),
+    "long-7k-c4": Workload(4, 7000, 256, {"kv_budget": 0.1, "kv_decode": True, **TOVA_KEY},
+                           None, 920, same_pool=True,
+                           note="4 concurrent long requests, prefill and decode"),
+    "long-7k-c4-pe": Workload(4, 7000, 256, {"kv_budget": 0.1, "kv_decode": True,
+                                             "kv_prefill_evict": True, **TOVA_KEY},
+                              None, 920, same_pool=True,
+                              note="the same, evicting after every prefill chunk"),
     "equal-32": Workload(32, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},
                          None, 520, same_pool=True, note="overhead at an equal batch of 32"),
     "equal-64": Workload(64, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},
@@ -170,6 +177,12 @@ def worker(args) -> dict:
         "decode_tokens_per_s": (sum(s[7] for s in decode_steps)
                                 / max(1e-9, sum(s[4] for s in decode_steps))),
         "decode_steps": len(decode_steps),
+        # Where the time goes: steps that scheduled prompt tokens (prefill, possibly with
+        # decodes beside them) and decode-only steps, each with the eviction work inside.
+        "prefill_steps_s": sum(s[4] for s in timeline if not s[6]),
+        "decode_steps_s": sum(s[4] for s in decode_steps),
+        "prefill_eviction_s": sum(s[5] for s in timeline if not s[6]),
+        "decode_eviction_s": sum(s[5] for s in decode_steps),
         "step_ms_mean": 1e3 * statistics.fmean(step_s),
         "step_ms_median": 1e3 * statistics.median(step_s),
         "eviction_ms_per_step": 1e3 * statistics.fmean(s[5] for s in timeline),
@@ -244,6 +257,14 @@ def table(name: str, w: Workload, rows: dict[str, dict]) -> str:
             f"decode tok/s {plugin['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x, "
             f"mean step {plugin['step_ms_mean'] / base['step_ms_mean']:.3f}x"
         )
+    for label, r in rows.items():
+        if "prefill_steps_s" in r:
+            lines.append(
+                f"- {label}, where the time goes: steps with prompt tokens "
+                f"{r['prefill_steps_s']:.1f} s (eviction {r['prefill_eviction_s']:.1f} s), "
+                f"decode-only steps {r['decode_steps_s']:.1f} s (eviction "
+                f"{r['decode_eviction_s']:.1f} s), of {r['wall_s']:.1f} s"
+            )
     return "\n".join(lines)
 
 

@@ -10,6 +10,11 @@
     fleet [--workers N] [--policy P] [--chats C] [--turns T] [--out DIR]
         N workers behind vllm-router (all launched), chats with kv_session through the router;
         DIR/report.{json,md}; exit status 1 when a check failed (loadtest/fleet.py).
+    multiturn [--arms ...] [--out DIR]
+        Multi-turn chats at the pool's limit, stock beside (loadtest/multiturn.py).
+    routing [--policies round_robin consistent_hash kv_aware] [--out DIR]
+        Documents and session chats through vllm-router, a fresh fleet per policy; TTFT,
+        throughput, reuse and balance per policy (loadtest/routing.py).
 
 Only loopback targets unless ``--allow-remote``.
 """
@@ -26,6 +31,8 @@ from urllib.parse import urlparse
 
 from loadtest import compare, report, runner
 from loadtest.scenario import load_scenario, make_plan
+
+ROUTING_POLICIES = ("round_robin", "consistent_hash", "kv_aware")  # loadtest/routing.py
 
 
 def is_loopback(url: str) -> bool:
@@ -87,7 +94,27 @@ def _parser() -> argparse.ArgumentParser:
     mt_p.add_argument("--pool-blocks", type=int, default=96, help="KV pool, blocks of 32 tokens")
     mt_p.add_argument("--seed", type=int, default=0)
     mt_p.add_argument("--out", type=Path, default=Path("results/multiturn"), help="report folder")
+    rt_p = sub.add_parser("routing", help="documents and chats through vllm-router, per policy")
+    rt_p.add_argument("--policies", nargs="+", default=list(ROUTING_POLICIES),
+                      choices=list(ROUTING_POLICIES))
+    rt_p.add_argument("--workers", type=int, default=2)
+    rt_p.add_argument("--docs", type=int, default=4)
+    rt_p.add_argument("--questions", type=int, default=4, help="questions per document")
+    rt_p.add_argument("--doc-clients", type=int, default=2)
+    rt_p.add_argument("--chats", type=int, default=4)
+    rt_p.add_argument("--turns", type=int, default=4)
+    rt_p.add_argument("--max-tokens", type=int, default=16)
+    rt_p.add_argument("--seed", type=int, default=0)
+    rt_p.add_argument("--stock", action="store_true", help="stock vLLM workers (no plugin)")
+    rt_p.add_argument("--router-args", nargs="*", default=[], help="more vllm-router flags")
+    rt_p.add_argument("--out", type=Path, default=Path("results/routing"), help="report folder")
     return ap
+
+
+def _routing(args: argparse.Namespace) -> int:
+    from loadtest import routing
+
+    return routing.main(args)
 
 
 def _multiturn(args: argparse.Namespace) -> int:
@@ -173,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"run": _run, "compare": _compare, "parity": _parity, "fleet": _fleet,
-                    "multiturn": _multiturn}
+                    "multiturn": _multiturn, "routing": _routing}
         return commands[args.command](args)
     except KeyboardInterrupt:
         return 130

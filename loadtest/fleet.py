@@ -29,12 +29,14 @@ Loopback only; the counts are small (a few chats of a few turns).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -60,17 +62,21 @@ def router_executable() -> str:
 
 
 @contextmanager
-def router(worker_urls: list[str], policy: str, log_path: Path, timeout_s: float = 120):
-    """Yield the base URL of a healthy ``vllm-router`` in front of ``worker_urls``."""
+def router(worker_urls: list[str], policy: str, log_path: Path, timeout_s: float = 120,
+           extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None):  # fmt: skip
+    """Yield the base URL of a healthy ``vllm-router`` in front of ``worker_urls`` and that of
+    its metrics (``extra_args``: more router flags; ``env`` over ours)."""
     exe = router_executable()
     port, metrics_port = free_port(), free_port()
     cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
            "--worker-urls", *worker_urls, "--prometheus-host", "127.0.0.1",
-           "--prometheus-port", str(metrics_port), "--log-level", "warning"]  # fmt: skip
+           "--prometheus-port", str(metrics_port), "--log-level", "warning",
+           *extra_args]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True,
+                                env={**os.environ, **(env or {})})  # fmt: skip
         try:
             started = time.monotonic()
             while not healthy(url):

@@ -30,8 +30,10 @@ kv_compress_at  int k in [1, prompt length]: evict once the first k prompt token
                 kv_budget is then a fraction of k. ``"auto"``: a prompt that continues a recent
                 ``"auto"`` prompt (a chat's next turn) is served as ``kv_session``; else k is
                 the longest prefix (whole blocks, at least half the prompt) it shares with a
-                recent one, else the whole prompt (``obcache_vllm.eviction.sightings``); the
-                server policy's default. Default: the whole prompt.
+                recent one, else the whole prompt, as a tentative ``kv_session`` (its final
+                cache is kept for a next turn while the pool has room;
+                ``obcache_vllm.eviction.sightings``); the server policy's default. Default: the
+                whole prompt.
 kv_per_head     true: each KV head keeps its own top tokens; false: one ranking per layer
                 (scores summed over heads, as kvpress's presses do); default true
 kv_prefill_evict
@@ -160,6 +162,9 @@ class KvOptions:
     session: bool = False
     when: str = "always"
     requested_budget: int | float | None = field(default=None, compare=False)
+    # A session the front end started on its own (``kv_compress_at: "auto"`` on a prompt that
+    # continues nothing): its entry is held only while no request needs the blocks.
+    tentative: bool = False
 
     def compress_point(self, num_prompt_tokens: int) -> int:
         """Number of prompt tokens in the cache when the prefill eviction runs."""
@@ -226,6 +231,7 @@ _WIRE_TYPES: dict[str, tuple[type, ...]] = {
     "session": (bool,),
     "when": (str,),
     "requested_budget": (int, float, type(None)),
+    "tentative": (bool,),
 }
 assert tuple(_WIRE_TYPES) == tuple(f.name for f in _OPTION_FIELDS)
 
@@ -268,7 +274,10 @@ class KvRequest:
         prompts it has seen (None: the whole prompt); taken only where its budget leaves room
         beyond the sinks and recent tokens, else the whole prompt. ``auto_session``: the prompt
         continues a recent one (a chat's next turn): it is served as ``kv_session`` instead,
-        where its pipeline allows a session. ``session_id``: vLLM's own session id of the
+        where its options allow a session (:meth:`joins_session`). A whole-prompt ``"auto"``
+        request whose options allow one is a *tentative* session (``KvOptions.tentative``):
+        it may be a chat's first turn, so its final cache is left for a next turn, held only
+        while the pool has room to spare. ``session_id``: vLLM's own session id of the
         request (body, ``X-Session-ID`` header or ``vllm_xargs``): the request takes part in
         that session, as with ``kv_session`` (see :meth:`joins_session`).
 
@@ -286,6 +295,11 @@ class KvRequest:
             point = auto_point
             if point is not None and (point >= num_prompt_tokens or not self._room_at(point)):
                 point = None
+            if point is None and self.joins_session():
+                # Compressed whole, as a tentative session: it may be a chat's first turn.
+                first = dataclasses.replace(self, compress_at=None, session=True)
+                resolved = first.resolve(num_prompt_tokens, max_model_len)
+                return dataclasses.replace(resolved, tentative=True)
             return dataclasses.replace(self, compress_at=point).resolve(
                 num_prompt_tokens, max_model_len
             )

@@ -202,7 +202,14 @@ class HeldEntries:
     waits for room, but only ``base`` of them against a waiting request; above ``base`` the
     least recently used give way to a request waiting for blocks (:meth:`surplus_victim`),
     so held entries use room the pool has spare and never keep the queue waiting for more
-    than ``base``. Plain Python: the adapter takes and drops the references.
+    than ``base``.
+
+    A *tentative* entry (a session the front end started on a guess: a prompt that may be a
+    chat's first turn, see ``KvOptions.tentative``) is held as surplus whatever the share:
+    it is the first to go for a waiting request or a new hold, until a request adopts it
+    (:meth:`used`), which makes it an ordinary held entry. Unique-prompt traffic thus never
+    keeps the queue waiting for entries no one reads. Plain Python: the adapter takes and
+    drops the references.
     """
 
     def __init__(self, limit: int, base: int | None = None) -> None:
@@ -212,6 +219,7 @@ class HeldEntries:
         self.limit = limit
         self.base = base
         self._held: OrderedDict[int, int] = OrderedDict()  # entry id -> blocks, oldest first
+        self._tentative: OrderedDict[int, None] = OrderedDict()  # never adopted, oldest first
         self.blocks = 0
 
     def __contains__(self, entry_id: int) -> bool:
@@ -220,9 +228,9 @@ class HeldEntries:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, entry_id: int, num_blocks: int) -> list[int] | None:
+    def hold(self, entry_id: int, num_blocks: int, tentative: bool = False) -> list[int] | None:
         """Hold an entry of ``num_blocks``: the entry ids to release first to stay within the
-        limit (least recently used first), or None if it cannot be held at all."""
+        limit (tentative ones, then the least recently used), or None if it cannot be held."""
         if num_blocks > self.limit or entry_id in self._held:
             return None
         released = []
@@ -231,27 +239,44 @@ class HeldEntries:
             self.drop(released[-1])
         self._held[entry_id] = num_blocks
         self.blocks += num_blocks
+        if tentative:
+            self._tentative[entry_id] = None
         return released
 
     def used(self, entry_id: int) -> None:
-        """An entry was adopted: it is the last to be released."""
+        """An entry was adopted: it is the last to be released, and no longer tentative."""
         if entry_id in self._held:
             self._held.move_to_end(entry_id)
+            self._tentative.pop(entry_id, None)
+
+    def is_tentative(self, entry_id: int) -> bool:
+        return entry_id in self._tentative
+
+    @property
+    def surplus_blocks(self) -> int:
+        """Blocks :meth:`surplus_victim` would give up: every tentative entry's, then the
+        others' above ``base``."""
+        tentative = sum(self._held[e] for e in self._tentative)
+        return tentative + max(0, self.blocks - tentative - self.base)
 
     def oldest(self) -> int | None:
-        return next(iter(self._held), None)
+        """The next entry to release: the oldest tentative one, else the least recently used."""
+        tentative = next(iter(self._tentative), None)
+        return tentative if tentative is not None else next(iter(self._held), None)
 
     def surplus_victim(self, keep: int | None = None) -> int | None:
-        """The entry to release for a waiting request: the least recently used one other than
-        ``keep`` (the entry that request adopts), while more than ``base`` blocks are held;
-        None when the hold is within its base share."""
-        if self.blocks <= self.base:
-            return None
+        """The entry to release for a waiting request, other than ``keep`` (the entry that
+        request adopts): the oldest tentative one, else the least recently used while more
+        than ``base`` blocks are held; None when nothing held is surplus."""
+        tentative = next((e for e in self._tentative if e != keep), None)
+        if tentative is not None or self.blocks <= self.base:
+            return tentative
         return next((e for e in self._held if e != keep), None)
 
     def drop(self, entry_id: int) -> bool:
         num_blocks = self._held.pop(entry_id, None)
         if num_blocks is None:
             return False
+        self._tentative.pop(entry_id, None)
         self.blocks -= num_blocks
         return True

@@ -18,13 +18,15 @@ made from prompts only (this index), never from the engine's cache state:
   seen dropped past ``capacity``);
 * a prompt that *continues* a recorded one (all of that prompt's tokens are a strict prefix of
   it, as a chat's next turn resends the last turn's prompt with the answer and a new message)
-  is served as ``kv_session``: it continues the compressed cache the last turn left, if that
-  turn was itself a continuation, and leaves its own for the next (a chat's second turn
-  compresses anew; the third and later continue);
+  is served as ``kv_session``: it continues the compressed cache the last turn left and
+  leaves its own for the next;
 * else the request compresses at ``s`` when ``s`` covers at least :data:`MIN_SHARE` of its
   prompt (so at most half of it is left uncompressed) and is shorter than the prompt (questions
   over one document: the second compresses the document, the later ones adopt it);
-* else over its whole prompt, query-aware, as with no ``kv_compress_at``.
+* else over its whole prompt, query-aware, as with no ``kv_compress_at``, and as a
+  *tentative* session: it may be a chat's first turn, so its final cache is left for a next
+  turn, held only while no request needs the blocks (``KvOptions.tentative``,
+  :class:`~obcache_vllm.eviction.entries.HeldEntries`).
 
 A hash collision can only choose a compress point; the entries themselves are keyed by
 vLLM's hashes and checked token by token. Plain Python: no vLLM, no torch.

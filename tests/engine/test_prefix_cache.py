@@ -289,6 +289,65 @@ def test_auto_compresses_the_shared_document_once_offline(fresh, tokenizer):
     assert "reused_tokens" not in usage and again == third_tokens
 
 
+def test_auto_leaves_a_tentative_session_that_a_next_turn_continues(fresh, tokenizer):
+    """``kv_compress_at: "auto"`` on a prompt that shares nothing: compressed whole, as a
+    tentative session, so a chat's second turn already continues its cache (with the tokens
+    an explicit ``kv_session`` chain gives), and unread tentative entries never keep a waiting
+    request waiting: within the base share they give way, and nobody is preempted."""
+    engine, prefix = fresh, fresh.scheduler.obcache_prefix
+    kv = {"kv_budget": 0.25, "kv_pipeline": "tova", "kv_compress_at": "auto"}
+    turn1 = _doc(tokenizer, seed=43) + _questions(tokenizer)[0]
+    share = prefix.held.limit, prefix.held.base
+    try:
+        tokens1, _, usage1, _ = _generate(engine, turn1, kv, max_tokens=12)
+        assert "compress_at" not in usage1 and "reused_tokens" not in usage1
+        (entry_id,) = prefix.held._held
+        assert prefix.held.is_tentative(entry_id)
+        turn2 = turn1 + tokens1 + _questions(tokenizer)[1]
+        tokens2, _, usage2, _ = _generate(engine, turn2, kv, max_tokens=12)
+        assert usage2["session_turn"] == 2 and usage2["reused_from"] == "session"
+        assert not any(prefix.held.is_tentative(e) for e in prefix.held._held)  # adopted
+        prefix.release_all()
+        assert engine.llm.reset_prefix_cache()
+        explicit = {"kv_budget": 0.25, "kv_pipeline": "tova", "kv_session": True}
+        assert _generate(engine, turn1, explicit, max_tokens=12)[0] == tokens1
+        again, _, usage, _ = _generate(engine, turn2, explicit, max_tokens=12)
+        assert usage["session_turn"] == 2 and again == tokens2
+        prefix.release_all()
+        assert engine.llm.reset_prefix_cache()
+        # Five entries: raise the share so that all are held (and within it: only their being
+        # tentative makes them give way).
+        prefix.held.limit = prefix.held.base = int(0.75 * (POOL_BLOCKS - 1))
+        _tentative_gives_way(engine, prefix, tokenizer, kv)
+    finally:
+        prefix.release_all()
+        prefix.held.limit, prefix.held.base = share
+
+
+def _tentative_gives_way(engine, prefix, tokenizer, kv):
+    from support.engine import Driver
+
+    for seed in range(80, 85):  # unique documents: tentative entries, within the share
+        _generate(engine, _doc(tokenizer, sentences=33, seed=seed)[:1000], kv)
+    assert len(prefix.held) == 5 and prefix.held.blocks <= prefix.held.base
+    surplus = prefix.held_surplus
+    assert surplus == prefix.held.blocks > 3
+    free = engine.pool.get_num_free_blocks()
+    short_prompt = _doc(tokenizer, sentences=8, seed=90)[:200]  # 7 blocks, then it grows
+    long_len = (free - 7 + 3) * BS - 1  # 3 blocks more than are free beside the short one
+    long_prompt = _doc(tokenizer, sentences=50, seed=91)[:long_len]
+    assert len(long_prompt) == long_len < 2048 - 8
+    driver = Driver(engine)
+    with _counting_preemptions(engine) as preempted:
+        a = driver.add("short", short_prompt, 96, ignore_eos=True)
+        b = driver.add("long", long_prompt, 4, ignore_eos=True)
+        outputs = driver.run()
+    assert driver.max_running == 2 and preempted == []  # the long one ran beside the short one
+    assert prefix.counts.get(("session", "released"), 0) >= 1
+    assert outputs[a] == _generate(engine, short_prompt, max_tokens=96, ignore_eos=True)[0]
+    assert outputs[b] == _generate(engine, long_prompt, max_tokens=4, ignore_eos=True)[0]
+
+
 def test_holds_above_the_base_share_give_way_to_a_waiting_request(fresh, tokenizer):
     """Entries are held up to OBCACHE_ENTRY_POOL_SHARE_MAX of the pool while nobody waits; a
     request that waits for blocks while another runs takes the holds above

@@ -141,10 +141,10 @@ def test_auto_compresses_a_shared_document_once_and_followers_match_each_alone(s
 
 def test_auto_serves_a_chats_next_turns_as_a_session_and_each_matches_alone(server: Server):
     """``kv_compress_at: "auto"`` on a chat (the server policy's default): the first turn is
-    compressed whole, the second continues a prompt the server saw (served as ``kv_session``:
-    nothing to continue yet, it compresses anew and leaves its cache), the third and fourth
-    continue the turn before; each matches the same conversation replayed under a cache salt
-    of its own (its own turns: the same continuations)."""
+    compressed whole as a tentative session (it may be a chat's first turn: its cache is
+    left), the second continues a prompt the server saw (served as ``kv_session``) and so
+    continues that cache, as do the third and fourth; each matches the same conversation
+    replayed under a cache salt of its own (its own turns: the same continuations)."""
     kv = {"kv_budget": 160, "kv_pipeline": "tova", "kv_compress_at": "auto"}
     system = {"role": "system", "content": "Records:\n" + haystack(18, seed=63)}
     asks = ["Which towns appear?", "What was traded?", "Which year comes first?", "And then?"]
@@ -166,10 +166,10 @@ def test_auto_serves_a_chats_next_turns_as_a_session_and_each_matches_alone(serv
         return usages, texts
 
     usages, texts = converse()
-    assert [u.get("session_turn") for u in usages] == [None, None, 2, 3], usages
+    assert [u.get("session_turn") for u in usages] == [None, 2, 3, 4], usages
     assert all("compress_at" not in u for u in usages)  # a session compresses each prompt
     again, replayed = converse("alone-auto-chat")
-    assert [u.get("session_turn") for u in again] == [None, None, 2, 3]
+    assert [u.get("session_turn") for u in again] == [None, 2, 3, 4]
     assert texts == replayed
     assert _verify_faults(server) == faults
 

@@ -53,6 +53,23 @@ def test_held_share_releases_least_recently_used_first():
     assert HeldEntries(0).hold(1, 1) is None
 
 
+def test_tentative_holds_give_way_first_until_adopted():
+    held = HeldEntries(limit=12, base=12)
+    assert held.hold(1, 4) == [] and held.hold(2, 4, tentative=True) == []
+    assert held.hold(3, 4, tentative=True) == []
+    # within the base share, yet a waiting request may take the tentative ones, oldest first
+    assert held.surplus_blocks == 8
+    assert held.surplus_victim() == 2 and held.surplus_victim(keep=2) == 3
+    assert held.oldest() == 2  # and a new hold past the limit releases them first
+    held.used(2)  # adopted: an ordinary held entry now, the most recently used
+    assert not held.is_tentative(2) and held.surplus_victim() == 3
+    assert held.hold(4, 4) == [3] and held.surplus_blocks == 0
+    assert held.surplus_victim() is None and held.oldest() == 1
+    held.drop(4)
+    assert held.hold(5, 4, tentative=True) == [] and held.drop(5)
+    assert not held.is_tentative(5) and held.surplus_blocks == 0
+
+
 def test_entry_pool_share_from_the_environment():
     assert entry_pool_share({}) == 0.25
     assert entry_pool_share({"OBCACHE_ENTRY_POOL_SHARE": "0"}) == 0.0

@@ -68,6 +68,18 @@ def test_auto_resolves_to_the_point_or_the_whole_prompt() -> None:
     assert (at.compress_at, at.budget) == (800, 200)  # the fraction is of the shared prefix
     whole = request.resolve(1000)
     assert (whole.compress_at, whole.budget) == (None, 250)
+    # compressed whole, it may be a chat's first turn: a tentative session
+    assert (whole.session, whole.tentative) == (True, True)
+    assert (at.session, at.tentative) == (False, False)
+    # a continuation is a session of its own, not tentative
+    turn = request.resolve(1000, auto_session=True)
+    assert (turn.session, turn.tentative) == (True, False)
+    # a pipeline whose running sums cannot travel with a cache starts no session
+    h2o = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
+                                 "kv_pipeline": "h2o"})  # fmt: skip
+    assert (h2o.resolve(1000).session, h2o.resolve(1000).tentative) == (False, False)
+    # the wire form carries it
+    assert options.KvOptions.from_wire(whole.to_wire()).tentative is True
     # a point whose budget leaves no room beyond the sinks and recent tokens: the whole prompt
     assert request.resolve(1000, auto_point=60).compress_at is None
     # a token budget at least the point: nothing to evict there, the whole prompt
@@ -170,6 +182,8 @@ def test_a_vllm_session_id_joins_a_session_where_the_options_allow(fields, joins
     assert request.joins_session() is joins
     got = request.resolve(1000, session_id="chat-1")
     assert got.session is joins
-    assert request.resolve(1000).session is False  # no id, no session
+    alone = request.resolve(1000)  # no id: no session, but "auto" starts a tentative one
+    assert alone.session is alone.tentative is (joins and request.compress_at == options.AUTO)
+    assert got.tentative is False
     if joins:
         assert (got.compress_at, got.budget) == (None, 250)

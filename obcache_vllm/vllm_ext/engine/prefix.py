@@ -342,7 +342,7 @@ class PrefixAdapter:
             donor=request.request_id,
             source_ids=tuple(b.block_id for b in live),
         )
-        self._insert(entry, live)
+        self._insert(entry, live, tentative=blocks.options.tentative and depth == 1)
         parent = blocks.start.entry_id if blocks.start and blocks.start.compressed else None
         if parent is not None and entry.entry_id in self.held:
             # The turn continues its parent: the new entry holds every block the two share,
@@ -355,17 +355,18 @@ class PrefixAdapter:
         made, self._made = self._made, []
         return made
 
-    def _insert(self, entry: Entry, blocks) -> None:
+    def _insert(self, entry: Entry, blocks, tentative: bool = False) -> None:
         if self.record_made:
             self._made.append(entry)
         self.count(entry.key.kind, "created")
         self._release(self.entries.insert(entry), evicted=True)
-        self._hold(entry, blocks)
+        self._hold(entry, blocks, tentative)
 
     # -- held entries (eviction.entries.HeldEntries) -----------------------------------------
-    def _hold(self, entry: Entry, blocks) -> None:
-        """Take one reference on each block of a new entry, within the held share."""
-        released = self.held.hold(entry.entry_id, len(blocks))
+    def _hold(self, entry: Entry, blocks, tentative: bool = False) -> None:
+        """Take one reference on each block of a new entry, within the held share (a
+        tentative one as surplus: see :class:`HeldEntries`)."""
+        released = self.held.hold(entry.entry_id, len(blocks), tentative)
         if released is None:
             return
         for entry_id in released:
@@ -375,8 +376,9 @@ class PrefixAdapter:
 
     @property
     def held_surplus(self) -> int:
-        """Held blocks above the base share: what a waiting request may take."""
-        return max(0, self.held.blocks - self.held.base)
+        """Held blocks a waiting request may take: tentative ones and those above the base
+        share."""
+        return self.held.surplus_blocks
 
     @property
     def reclaimable_blocks(self) -> int:
