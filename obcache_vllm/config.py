@@ -2,7 +2,7 @@
 
 Sources, later wins:
 
-1. the built-in defaults (:data:`BUILTIN_DEFAULTS`, the values of :mod:`obcache_vllm.options`);
+1. the built-in defaults (:data:`BUILTIN_DEFAULTS`, from :data:`obcache_vllm.options.OPTIONS`);
 2. the YAML file ``$OBCACHE_VLLM_CONFIG`` if set, else the package's own
    ``obcache_vllm/default.yaml`` (shipped in the wheel; ``configs/default.yaml`` of a checkout
    is a link to it), so ``pip install`` and a checkout serve the same defaults;
@@ -53,23 +53,10 @@ POLICY_KEYS: dict[str, tuple[str, Any]] = {
 }
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "default.yaml"
 
-BUILTIN_DEFAULTS: dict[str, Any] = {
-    "kv_budget": None,
-    "kv_scorer": options.DEFAULT_SCORER,
-    "kv_pipeline": options.DEFAULT_PIPELINE,
-    "kv_window": options.DEFAULT_WINDOW,
-    "kv_recent": options.DEFAULT_RECENT,
-    "kv_sinks": options.DEFAULT_SINKS,
-    "kv_decode": False,
-    "kv_compress_at": None,  # a prompt position: per request only
-    "kv_per_head": True,
-    "kv_prefill_evict": False,
-    "kv_session": None,  # a conversation's continuation: per request only
-    "kv_when": "always",
-}
-assert tuple(BUILTIN_DEFAULTS) == options.WIRE_FIELDS
+# Every wire field's built-in server default (None: no default), from the options' table.
+BUILTIN_DEFAULTS: dict[str, Any] = options.TABLE.builtin_defaults()
 # Options that depend on the request's own prompt: no server-wide default.
-PER_REQUEST_ONLY = ("kv_compress_at", "kv_session")
+PER_REQUEST_ONLY = options.TABLE.per_request_only()
 
 
 class ConfigError(ValueError):

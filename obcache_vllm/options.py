@@ -1,4 +1,14 @@
-"""Per-request KV-eviction options: parsed once at the edge, resolved once, carried as a wire form.
+"""Per-request KV-eviction options: declared once, parsed once at the edge, resolved once, carried
+as a wire form.
+
+Every ``kv_*`` option is one row of :data:`OPTIONS` (an :class:`OptionSpec`: its field, parser,
+default, server default, wire types, documentation, refusals and example values). Everything
+else is derived from that table by :class:`OptionTable`: the request model (:class:`KvRequest`),
+the resolved options (:class:`KvOptions`), the wire form, the server's built-in defaults
+(``obcache_vllm.config.BUILTIN_DEFAULTS``), the config document, the docs' options table
+(``docs/reference/rest.md``, ``scripts/gen_reference.py``) and the fuzzer's plausible values
+(``tests/server/test_fuzz.py``). Adding an option is adding a row
+(``tests/unit/test_option_table.py`` adds a throwaway one and follows it everywhere).
 
 Three shapes, one direction (the front end makes the first two, every later process decodes
 the third; see :mod:`obcache_vllm.vllm_ext.frontend.admission` for where each step runs)::
@@ -10,50 +20,6 @@ the third; see :mod:`obcache_vllm.vllm_ext.frontend.admission` for where each st
 
 A request without ``kv_budget`` is a stock vLLM request: :func:`parse_request` returns ``None``
 and nothing else in obcache-vllm touches it.
-
-==============  =========================================================================
-field           meaning
-==============  =========================================================================
-kv_budget       int >= 1: resident KV tokens per layer and KV head after eviction;
-                float in (0, 1]: that fraction of the prompt (rounded up).
-kv_scorer       token score (see ``obcache_vllm.scoring.SCORER_NAMES``)
-kv_pipeline     selection pipeline (see ``obcache_vllm.scoring.PIPELINE_NAMES``)
-kv_window       observation window (last prompt queries) for ``snapkv``; default 64
-kv_recent       most recent tokens always kept; default 16
-kv_sinks        first tokens always kept (attention sinks); default 4
-kv_decode       also evict during decoding (running scores); default false. Booleans are
-                true/false, "true"/"false" or 1/0 (``vllm_xargs`` turns JSON booleans
-                into integers)
-kv_compress_at  int k in [1, prompt length]: evict once the first k prompt tokens are cached,
-                scored with queries from those k only; the rest of the prompt (e.g. the
-                question) is prefilled on the compressed cache ("query-agnostic"). A fractional
-                kv_budget is then a fraction of k. ``"auto"``: a prompt that continues a recent
-                ``"auto"`` prompt (a chat's next turn) is served as ``kv_session``; else k is
-                the longest prefix (whole blocks, at least half the prompt) it shares with a
-                recent one, else the whole prompt, as a tentative ``kv_session`` (its final
-                cache is kept for a next turn while the pool has room;
-                ``obcache_vllm.eviction.sightings``); the server policy's default. Default: the
-                whole prompt.
-kv_per_head     true: each KV head keeps its own top tokens; false: one ranking per layer
-                (scores summed over heads, as kvpress's presses do); default true
-kv_prefill_evict
-                also evict after every prefill chunk that leaves a whole block over budget,
-                so the prompt never holds more than budget + one chunk (+ one block): a
-                prompt longer than the KV pool can be served. Each chunk's eviction is scored
-                with the queries prefilled so far (as ``kv_compress_at`` at that chunk's end).
-                Default false
-kv_session      true: continue from the compressed cache an earlier ``kv_session`` request
-                left behind, if its tokens (prompt and output, as cached) are exactly a
-                prefix of this prompt and its options and cache salt are the same; leave this
-                request's final cache for the next turn. Not with h2o (its running sums
-                would have to travel with the cache), ``kv_compress_at`` or
-                ``kv_prefill_evict``. Default false
-kv_when         "always": evict as the options say (the default); "pressure": run exactly as
-                stock vLLM while the KV pool has room, and compress to the budget only when
-                the scheduler would otherwise preempt a running request or leave a waiting one
-                unadmitted for lack of blocks (then as the options say). Not with h2o,
-                ``kv_compress_at``, ``kv_prefill_evict`` or ``kv_session``
-==============  =========================================================================
 
 Budget rule (see :mod:`obcache_vllm.eviction.planning`): eviction frees whole KV blocks only,
 so the kept count K of a compressed request satisfies ``budget <= K < budget + block_size``.
@@ -68,24 +34,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
-
-WIRE_FIELDS = (
-    "kv_budget",
-    "kv_scorer",
-    "kv_pipeline",
-    "kv_window",
-    "kv_recent",
-    "kv_sinks",
-    "kv_decode",
-    "kv_compress_at",
-    "kv_per_head",
-    "kv_prefill_evict",
-    "kv_session",
-    "kv_when",
-)
 
 # kv_-prefixed extra_args keys that belong to vLLM, not to us (KV-connector transfer params).
 FOREIGN_KV_KEYS = ("kv_transfer_params",)
@@ -96,11 +47,6 @@ FOREIGN_KV_KEYS = ("kv_transfer_params",)
 ADMITTED_KEY = "obcache"
 WIRE_VERSION = "obcache/1"
 
-DEFAULT_SCORER = "obcache_key"
-DEFAULT_PIPELINE = "snapkv"
-DEFAULT_WINDOW = 64
-DEFAULT_RECENT = 16
-DEFAULT_SINKS = 4
 WHEN = ("always", "pressure")
 # kv_compress_at's one non-integer value: the front end chooses k from the prompts it has seen.
 AUTO = "auto"
@@ -140,31 +86,330 @@ def is_kv_option(key: str) -> bool:
     return key.startswith("kv_") and key not in FOREIGN_KV_KEYS
 
 
-@dataclass(frozen=True)
-class KvOptions:
-    """The resolved eviction options of one request (frozen; what EngineCore and worker see).
+# -- value parsers: (field, raw value) -> value, or KvOptionsError naming the field ----------
+Parser = Callable[[str, Any], Any]
 
-    ``budget`` is the resolved token budget (a ratio is already applied to the prompt length);
-    ``requested_budget`` is what the client asked for (an int, or the fraction).
+
+def integer(minimum: int) -> Parser:
+    """An integer >= ``minimum`` (an integral float is taken; a boolean is not)."""
+
+    def parse(field: str, value: Any) -> int:
+        # bool is an int subclass; "true" as a window is a client bug, not a 1.
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise KvOptionsError(field, f"must be an integer >= {minimum}", value)
+        if value < minimum:
+            raise KvOptionsError(field, f"must be an integer >= {minimum}", value)
+        return value
+
+    return parse
+
+
+def boolean(field: str, value: Any) -> bool:
+    """true/false, "true"/"false" or 1/0 (``vllm_xargs`` turns a JSON true into 1)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if type(value) is int and value in (0, 1):
+        return value == 1
+    raise KvOptionsError(field, "must be a boolean", value)
+
+
+def one_of(known: Callable[[], Sequence[str]]) -> Parser:
+    """One of the names ``known()`` lists (called per request: registries may grow)."""
+
+    def parse(field: str, value: Any) -> str:
+        names = tuple(known())
+        if not isinstance(value, str) or value not in names:
+            shown = bounded(value)
+            shown = repr(value) if shown is value else shown
+            raise KvOptionsError(field, f"unknown name {shown}; known: {', '.join(names)}", value)
+        return value
+
+    return parse
+
+
+def budget(field: str, value: Any) -> int | float:
+    """An integer >= 1 (tokens) or a fraction in (0, 1] (of the prompt or the compress point)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KvOptionsError(field, "must be an integer >= 1 or a fraction in (0, 1]", value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise KvOptionsError(field, "must be finite", value)
+    if isinstance(value, int):
+        if value < 1:
+            raise KvOptionsError(field, "must be an integer >= 1 or a fraction in (0, 1]", value)
+        return value
+    if value.is_integer() and value > 1:
+        return int(value)
+    if not 0.0 < value <= 1.0:
+        raise KvOptionsError(field, "a fractional budget must lie in (0, 1]", value)
+    return value
+
+
+def point(field: str, value: Any) -> int | str:
+    """A prompt position >= 1, or ``"auto"``."""
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, str):
+        raise KvOptionsError(field, f'must be an integer >= 1 or "{AUTO}"', value)
+    return integer(1)(field, value)
+
+
+def _scorer_names() -> tuple[str, ...]:
+    from obcache_vllm.scoring import SCORER_NAMES
+
+    return tuple(SCORER_NAMES)
+
+
+def _pipeline_names() -> tuple[str, ...]:
+    from obcache_vllm.scoring import pipeline_names
+
+    return pipeline_names()
+
+
+# -- refusals: what a combination of options cannot do ----------------------------------------
+def _sums_every_query(pipeline: str) -> bool:
+    from obcache_vllm.scoring import pipeline_class
+
+    return pipeline_class(pipeline).sums_every_query
+
+
+def _without_running_sums() -> str:
+    from obcache_vllm.scoring import pipeline_class, pipeline_names
+
+    names = [n for n in pipeline_names() if not pipeline_class(n).sums_every_query]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
+
+
+def _refuse_session(request: KvRequest) -> None:
+    """What a continued cache cannot carry (see ``kv_session``)."""
+    if not request.session:
+        return
+    if _sums_every_query(request.pipeline):
+        raise KvOptionsError(
+            "kv_session",
+            f"not supported with kv_pipeline {request.pipeline}: its running sums of every "
+            f"query would have to travel with the cache; use {_without_running_sums()}",
+            True,
+        )
+    for name, value in (("kv_compress_at", request.compress_at),
+                        ("kv_prefill_evict", request.prefill_evict or None)):  # fmt: skip
+        if value is not None:
+            raise KvOptionsError(
+                "kv_session", f"cannot be combined with {name} (a session compresses at the "
+                "end of each prompt)", True,
+            )  # fmt: skip
+
+
+def _refuse_pressure(request: KvRequest) -> None:
+    """What compression under pressure cannot do (see ``kv_when``)."""
+    if request.when != "pressure":
+        return
+    if _sums_every_query(request.pipeline):
+        raise KvOptionsError(
+            "kv_when",
+            f'"pressure" is not supported with kv_pipeline {request.pipeline}: it would have '
+            f"to score every query all along; use {_without_running_sums()}",
+            "pressure",
+        )
+    for name, value in (("kv_compress_at", request.compress_at),
+                        ("kv_prefill_evict", request.prefill_evict or None),
+                        ("kv_session", request.session or None)):  # fmt: skip
+        if value is not None:
+            raise KvOptionsError(
+                "kv_when", f'"pressure" cannot be combined with {name}', "pressure"
+            )
+
+
+def _check_room(budget: int, sinks: int, recent: int) -> None:
+    if sinks + recent >= budget:
+        raise KvOptionsError(
+            "kv_budget",
+            f"budget {budget} must exceed kv_sinks + kv_recent = {sinks + recent}",
+            budget,
+        )
+
+
+def _refuse_no_room(request: KvRequest) -> None:
+    """A token budget that leaves nothing beyond the sinks and recent tokens (a fraction is
+    checked when it is resolved against a prompt)."""
+    if isinstance(request.budget, int):
+        _check_room(request.budget, request.sinks, request.recent)
+
+
+# -- the table ----------------------------------------------------------------------------------
+_SAME = object()  # OptionSpec.server_default: the same as the option's own default
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One kv_* request option, declared once (see the module docstring).
+
+    ``field``: the request field (``kv_window``); its attribute on :class:`KvRequest` and
+    :class:`KvOptions` is the name without ``kv_``. ``parse``: the value parser (given the field
+    and a value that is present and not null). ``default``: what an unset field means (the
+    offline engine's default; :data:`REQUIRED` for the budget). ``server_default``: the server's
+    built-in default (``None``: no server-wide default, the option depends on the request's own
+    prompt). ``types``: the Python types of the resolved value (the wire form's check).
+    ``doc``: the documentation's paragraph (Markdown). ``refuse``: checks of the parsed request
+    this option brings (a combination it cannot serve), run after every field is parsed.
+    ``examples``: values valid on their own (the fuzzer's plausible requests; combinations are
+    the refusals' business; none for a prompt position).
     """
 
-    budget: int
-    scorer: str = DEFAULT_SCORER
-    pipeline: str = DEFAULT_PIPELINE
-    window: int = DEFAULT_WINDOW
-    recent: int = DEFAULT_RECENT
-    sinks: int = DEFAULT_SINKS
-    decode: bool = False
-    # Prompt tokens cached when eviction runs (None: the whole prompt).
-    compress_at: int | None = None
-    per_head: bool = True
-    prefill_evict: bool = False
-    session: bool = False
-    when: str = "always"
-    requested_budget: int | float | None = field(default=None, compare=False)
-    # A session the front end started on its own (``kv_compress_at: "auto"`` on a prompt that
-    # continues nothing): its entry is held only while no request needs the blocks.
-    tentative: bool = False
+    field: str
+    parse: Parser
+    default: Any
+    types: tuple[type, ...]
+    doc: str
+    server_default: Any = _SAME
+    refuse: Callable[[Any], None] | None = None
+    examples: tuple[Any, ...] | Callable[[], Sequence[Any]] = ()
+
+    @property
+    def name(self) -> str:
+        return self.field.removeprefix("kv_")
+
+    @property
+    def builtin_server_default(self) -> Any:
+        return self.default if self.server_default is _SAME else self.server_default
+
+    @property
+    def per_request_only(self) -> bool:
+        """No server-wide default: the option depends on the request's own prompt."""
+        return self.server_default is None and self.default is not REQUIRED
+
+    def example_values(self) -> tuple[Any, ...]:
+        """:attr:`examples` (a registry's names are listed when asked: registries grow)."""
+        return tuple(self.examples() if callable(self.examples) else self.examples)
+
+    def value(self, raw: Mapping[str, Any]) -> Any:
+        """The parsed value of this option in ``raw``: its default when unset; ``null`` only
+        where the default is itself ``None`` (else it is refused as the parser refuses it)."""
+        if self.field not in raw:
+            return self.default
+        value = raw[self.field]
+        if value is None and self.default is None:
+            return None
+        return self.parse(self.field, value)
+
+
+REQUIRED = dataclasses.MISSING  # OptionSpec.default of an option every budgeted request sets
+
+OPTIONS: tuple[OptionSpec, ...] = (
+    OptionSpec(
+        "kv_budget", budget, REQUIRED, (int,), server_default=None, refuse=_refuse_no_room,
+        examples=(64, 96, 200),
+        doc="int >= 1: resident KV tokens per layer and KV head after eviction; float in "
+        "(0, 1]: that fraction of the prompt (rounded up).",
+    ),
+    OptionSpec(
+        "kv_scorer", one_of(_scorer_names), "obcache_key", (str,),
+        examples=_scorer_names,
+        doc="token score (see `obcache_vllm.scoring.SCORER_NAMES`)",
+    ),
+    OptionSpec(
+        "kv_pipeline", one_of(_pipeline_names), "snapkv", (str,),
+        examples=_pipeline_names,
+        doc="selection pipeline (see `obcache_vllm.scoring.PIPELINE_NAMES`)",
+    ),
+    OptionSpec(
+        "kv_window", integer(1), 64, (int,), examples=(1, 8, 32),
+        doc="observation window (last prompt queries) for `snapkv`; default 64",
+    ),
+    OptionSpec(
+        "kv_recent", integer(0), 16, (int,), examples=(0, 4),
+        doc="most recent tokens always kept; default 16",
+    ),
+    OptionSpec(
+        "kv_sinks", integer(0), 4, (int,), examples=(0, 2),
+        doc="first tokens always kept (attention sinks); default 4",
+    ),
+    OptionSpec(
+        "kv_decode", boolean, False, (bool,), examples=(False, True, "true", 1),
+        doc="also evict during decoding (running scores); default false. Booleans are "
+        'true/false, "true"/"false" or 1/0 (`vllm_xargs` turns JSON booleans into integers)',
+    ),
+    OptionSpec(
+        "kv_compress_at", point, None, (int, type(None)), server_default=None,
+        doc="int k in [1, prompt length]: evict once the first k prompt tokens are cached, "
+        "scored with queries from those k only; the rest of the prompt (e.g. the question) is "
+        'prefilled on the compressed cache ("query-agnostic"). A fractional kv_budget is then '
+        'a fraction of k. `"auto"`: a prompt that continues a recent `"auto"` prompt (a '
+        "chat's next turn) is served as `kv_session`; else k is the longest prefix (whole "
+        "blocks, at least half the prompt) it shares with a recent one, else the whole prompt, "
+        "as a tentative `kv_session` (its final cache is kept for a next turn while the pool "
+        "has room; `obcache_vllm.eviction.sightings`); the server policy's default. Default: "
+        "the whole prompt.",
+    ),
+    OptionSpec(
+        "kv_per_head", boolean, True, (bool,), examples=(True, False),
+        doc="true: each KV head keeps its own top tokens; false: one ranking per layer (scores "
+        "summed over heads, as kvpress's presses do); default true",
+    ),
+    OptionSpec(
+        "kv_prefill_evict", boolean, False, (bool,), examples=(False, True),
+        doc="also evict after every prefill chunk that leaves a whole block over budget, so "
+        "the prompt never holds more than budget + one chunk (+ one block): a prompt longer "
+        "than the KV pool can be served. Each chunk's eviction is scored with the queries "
+        "prefilled so far (as `kv_compress_at` at that chunk's end). Default false",
+    ),
+    OptionSpec(
+        "kv_session", boolean, False, (bool,), server_default=None, refuse=_refuse_session,
+        examples=(False, True),
+        doc="true: continue from the compressed cache an earlier `kv_session` request left "
+        "behind, if its tokens (prompt and output, as cached) are exactly a prefix of this "
+        "prompt and its options and cache salt are the same; leave this request's final cache "
+        "for the next turn. Not with h2o (its running sums would have to travel with the "
+        "cache), `kv_compress_at` or `kv_prefill_evict`. Default false",
+    ),
+    OptionSpec(
+        "kv_when", one_of(lambda: WHEN), "always", (str,), refuse=_refuse_pressure,
+        examples=WHEN,
+        doc='"always": evict as the options say (the default); "pressure": run exactly as '
+        "stock vLLM while the KV pool has room, and compress to the budget only when the "
+        "scheduler would otherwise preempt a running request or leave a waiting one unadmitted "
+        "for lack of blocks (then as the options say). Not with h2o, `kv_compress_at`, "
+        "`kv_prefill_evict` or `kv_session`",
+    ),
+)  # fmt: skip
+
+
+# -- what is derived from the table -------------------------------------------------------------
+def _resolved_only() -> list[tuple]:
+    """Fields of :class:`KvOptions` that no request sets: made by :meth:`KvRequest.resolve`."""
+    return [
+        # What the client asked for: an int, or the fraction (``budget`` is the resolved tokens).
+        ("requested_budget", Any, field(default=None, compare=False, kw_only=True)),
+        # A session the front end started on its own (``kv_compress_at: "auto"`` on a prompt
+        # that continues nothing): its entry is held only while no request needs the blocks.
+        ("tentative", bool, field(default=False, kw_only=True)),
+    ]
+
+
+def _request_only() -> list[tuple]:
+    """Fields of :class:`KvRequest` that no client sets: the front end's."""
+    return [
+        # Not None: the budget is the server policy's (the request set none), for prompts of at
+        # least this many tokens (see obcache_vllm.config); admission may then waive it.
+        ("policy_min_prompt_tokens", Any, field(default=None, kw_only=True)),
+    ]
+
+
+_RESOLVED_TYPES: dict[str, tuple[type, ...]] = {
+    "requested_budget": (int, float, type(None)),
+    "tentative": (bool,),
+}
+
+
+class _OptionsMethods:
+    """The methods of :class:`KvOptions` (its fields come from the table)."""
+
+    __slots__ = ()
+    table: OptionTable
 
     def compress_point(self, num_prompt_tokens: int) -> int:
         """Number of prompt tokens in the cache when the prefill eviction runs."""
@@ -196,69 +441,32 @@ class KvOptions:
 
     # -- the wire form: a versioned tuple of primitives (msgspec and pickle carry it) ------
     def to_wire(self) -> tuple:
-        return (WIRE_VERSION, *(getattr(self, f.name) for f in _OPTION_FIELDS))
+        return (WIRE_VERSION, *(getattr(self, name) for name in self.table.wire_names))
 
     @classmethod
-    def from_wire(cls, value: Any) -> KvOptions:
+    def from_wire(cls, value: Any):
         """Decode :meth:`to_wire`'s tuple (a list after msgspec); raises :class:`WireError`.
 
         Checks shape and primitive types only: the values were validated at admission.
         """
+        names = cls.table.wire_names
         if not isinstance(value, (tuple, list)) or not value or value[0] != WIRE_VERSION:
             raise WireError(f"not an {WIRE_VERSION} wire form: {bounded(value)!r}")
-        if len(value) != len(_OPTION_FIELDS) + 1:
+        if len(value) != len(names) + 1:
             raise WireError(f"{WIRE_VERSION} wire form of {len(value)} items: {bounded(value)!r}")
-        values = dict(zip((f.name for f in _OPTION_FIELDS), value[1:], strict=True))
-        for name, kinds in _WIRE_TYPES.items():
+        values = dict(zip(names, value[1:], strict=True))
+        for name, kinds in cls.table.wire_types.items():
             item = values[name]
             if not isinstance(item, kinds) or (isinstance(item, bool) and bool not in kinds):
                 raise WireError(f"{WIRE_VERSION} wire field {name}={bounded(item)!r}")
         return cls(**values)
 
 
-_OPTION_FIELDS = fields(KvOptions)
-_WIRE_TYPES: dict[str, tuple[type, ...]] = {
-    "budget": (int,),
-    "scorer": (str,),
-    "pipeline": (str,),
-    "window": (int,),
-    "recent": (int,),
-    "sinks": (int,),
-    "decode": (bool,),
-    "compress_at": (int, type(None)),
-    "per_head": (bool,),
-    "prefill_evict": (bool,),
-    "session": (bool,),
-    "when": (str,),
-    "requested_budget": (int, float, type(None)),
-    "tentative": (bool,),
-}
-assert tuple(_WIRE_TYPES) == tuple(f.name for f in _OPTION_FIELDS)
+class _RequestMethods:
+    """The methods of :class:`KvRequest` (its fields come from the table)."""
 
-
-@dataclass(frozen=True)
-class KvRequest:
-    """What one request asked for: every kv_* field parsed and checked, the prompt not yet known.
-
-    :meth:`resolve` applies it to a prompt (a fraction becomes tokens, positions are checked
-    against the prompt and the context) and returns the :class:`KvOptions` it gets.
-    """
-
-    budget: int | float
-    scorer: str = DEFAULT_SCORER
-    pipeline: str = DEFAULT_PIPELINE
-    window: int = DEFAULT_WINDOW
-    recent: int = DEFAULT_RECENT
-    sinks: int = DEFAULT_SINKS
-    decode: bool = False
-    compress_at: int | str | None = None  # a position, AUTO, or None (the whole prompt)
-    per_head: bool = True
-    prefill_evict: bool = False
-    session: bool = False
-    when: str = "always"
-    # Not None: the budget is the server policy's (the request set none), for prompts of at
-    # least this many tokens (see obcache_vllm.config); admission may then waive it.
-    policy_min_prompt_tokens: int | None = None
+    __slots__ = ()
+    table: OptionTable
 
     def resolve(
         self,
@@ -267,7 +475,7 @@ class KvRequest:
         auto_point: int | None = None,
         auto_session: bool = False,
         session_id: str | None = None,
-    ) -> KvOptions:
+    ):
         """The options of this request on a prompt of ``num_prompt_tokens`` tokens.
 
         ``auto_point``: for ``kv_compress_at: "auto"``, the point the front end chose from the
@@ -292,15 +500,15 @@ class KvRequest:
             if auto_session and not _sums_every_query(self.pipeline):
                 continued = dataclasses.replace(self, compress_at=None, session=True)
                 return continued.resolve(num_prompt_tokens, max_model_len)
-            point = auto_point
-            if point is not None and (point >= num_prompt_tokens or not self._room_at(point)):
-                point = None
-            if point is None and self.joins_session():
+            at = auto_point
+            if at is not None and (at >= num_prompt_tokens or not self._room_at(at)):
+                at = None
+            if at is None and self.joins_session():
                 # Compressed whole, as a tentative session: it may be a chat's first turn.
                 first = dataclasses.replace(self, compress_at=None, session=True)
                 resolved = first.resolve(num_prompt_tokens, max_model_len)
                 return dataclasses.replace(resolved, tentative=True)
-            return dataclasses.replace(self, compress_at=point).resolve(
+            return dataclasses.replace(self, compress_at=at).resolve(
                 num_prompt_tokens, max_model_len
             )
         if self.compress_at is not None and self.compress_at > num_prompt_tokens:
@@ -310,14 +518,14 @@ class KvRequest:
                 self.compress_at,
             )
         base = self.compress_at or num_prompt_tokens
-        budget = self.budget
-        if not isinstance(budget, int):
-            budget = max(1, math.ceil(budget * base))
-        if max_model_len is not None and budget > max_model_len:
+        tokens = self.budget
+        if not isinstance(tokens, int):
+            tokens = max(1, math.ceil(tokens * base))
+        if max_model_len is not None and tokens > max_model_len:
             raise KvOptionsError(
                 "kv_budget",
-                f"{bounded(budget)} exceeds the model context length {max_model_len}",
-                budget,
+                f"{bounded(tokens)} exceeds the model context length {max_model_len}",
+                tokens,
             )
         if max_model_len is not None and self.window > max_model_len:
             raise KvOptionsError(
@@ -325,23 +533,10 @@ class KvRequest:
                 f"{bounded(self.window)} exceeds the model context length {max_model_len}",
                 self.window,
             )
-        _check_room(budget, self.sinks, self.recent)
-        return KvOptions(
-            budget=budget,
-            scorer=self.scorer,
-            pipeline=self.pipeline,
-            window=self.window,
-            recent=self.recent,
-            sinks=self.sinks,
-            decode=self.decode,
-            compress_at=self.compress_at,
-            per_head=self.per_head,
-            prefill_evict=self.prefill_evict,
-            session=self.session,
-            when=self.when,
-            requested_budget=self.budget,
-        )
-
+        _check_room(tokens, self.sinks, self.recent)
+        values = {spec.name: getattr(self, spec.name) for spec in self.table.specs}
+        values["budget"] = tokens
+        return self.table.options_type(**values, requested_budget=self.budget)
 
     def joins_session(self) -> bool:
         """Whether a vLLM ``session_id`` on this request makes it a ``kv_session`` request:
@@ -356,77 +551,91 @@ class KvRequest:
             and not _sums_every_query(self.pipeline)
         )
 
-    def _room_at(self, point: int) -> bool:
-        """Whether compressing the first ``point`` tokens to this budget leaves room beyond
+    def _room_at(self, at: int) -> bool:
+        """Whether compressing the first ``at`` tokens to this budget leaves room beyond
         the sinks and recent tokens and evicts something."""
-        budget = self.budget
-        if not isinstance(budget, int):
-            budget = max(1, math.ceil(budget * point))
-        return self.sinks + self.recent < budget < point
+        tokens = self.budget
+        if not isinstance(tokens, int):
+            tokens = max(1, math.ceil(tokens * at))
+        return self.sinks + self.recent < tokens < at
 
 
-def _check_room(budget: int, sinks: int, recent: int) -> None:
-    if sinks + recent >= budget:
-        raise KvOptionsError(
-            "kv_budget",
-            f"budget {budget} must exceed kv_sinks + kv_recent = {sinks + recent}",
-            budget,
+class OptionTable:
+    """Everything derived from a table of :class:`OptionSpec` rows: the request model and the
+    resolved options (frozen dataclasses, one field per row, in the table's order), the wire
+    form's names and types, the parser and the built-in server defaults.
+
+    The module's own table is :data:`TABLE`; a test builds another with a throwaway row.
+    """
+
+    def __init__(self, specs: Sequence[OptionSpec], module: str = __name__) -> None:
+        self.specs = tuple(specs)
+        self.fields = tuple(spec.field for spec in self.specs)
+        if len(set(self.fields)) != len(self.fields) or not all(map(is_kv_option, self.fields)):
+            raise ValueError(f"option fields must be distinct kv_* names: {self.fields}")
+
+        def declared(spec: OptionSpec, types: tuple[type, ...]) -> tuple:
+            kind = types[0] if len(types) == 1 else Any
+            if spec.default is REQUIRED:
+                return (spec.name, kind)
+            return (spec.name, kind, field(default=spec.default))
+
+        namespace = {"table": self, "__module__": module}
+        self.request_type = dataclasses.make_dataclass(
+            "KvRequest", [*(declared(s, (Any,)) for s in self.specs), *_request_only()],
+            bases=(_RequestMethods,), frozen=True, namespace=namespace,
+        )  # fmt: skip
+        self.request_type.__doc__ = (
+            "What one request asked for: every kv_* field parsed and checked, the prompt not "
+            "yet known (one field per :data:`OPTIONS` row). :meth:`resolve` applies it to a "
+            "prompt and returns the :class:`KvOptions` it gets."
         )
-
-
-def _without_running_sums() -> str:
-    from obcache_vllm.scoring import pipeline_class, pipeline_names
-
-    names = [n for n in pipeline_names() if not pipeline_class(n).sums_every_query]
-    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
-
-
-def _sums_every_query(pipeline: str) -> bool:
-    from obcache_vllm.scoring import pipeline_class
-
-    return pipeline_class(pipeline).sums_every_query
-
-
-def _check_session(request: KvRequest) -> None:
-    """What a continued cache cannot carry (see ``kv_session`` above)."""
-    if _sums_every_query(request.pipeline):
-        raise KvOptionsError(
-            "kv_session",
-            f"not supported with kv_pipeline {request.pipeline}: its running sums of every "
-            f"query would have to travel with the cache; use {_without_running_sums()}",
-            True,
+        self.options_type = dataclasses.make_dataclass(
+            "KvOptions", [*(declared(s, s.types) for s in self.specs), *_resolved_only()],
+            bases=(_OptionsMethods,), frozen=True, namespace=namespace,
+        )  # fmt: skip
+        self.options_type.__doc__ = (
+            "The resolved eviction options of one request (frozen; what EngineCore and the "
+            "worker see). ``budget`` is the resolved token budget (a ratio is already applied "
+            "to the prompt length); ``requested_budget`` is what the client asked for."
         )
-    for name, value in (("kv_compress_at", request.compress_at),
-                        ("kv_prefill_evict", request.prefill_evict or None)):  # fmt: skip
-        if value is not None:
+        self.wire_names = tuple(f.name for f in fields(self.options_type))
+        types = {spec.name: spec.types for spec in self.specs}
+        self.wire_types = {name: {**types, **_RESOLVED_TYPES}[name] for name in self.wire_names}
+
+    def spec(self, field_name: str) -> OptionSpec:
+        return self.specs[self.fields.index(field_name)]
+
+    def builtin_defaults(self) -> dict[str, Any]:
+        """The server's built-in defaults: every field (``None``: no default)."""
+        return {spec.field: spec.builtin_server_default for spec in self.specs}
+
+    def per_request_only(self) -> tuple[str, ...]:
+        return tuple(spec.field for spec in self.specs if spec.per_request_only)
+
+    def parse_request(
+        self, raw: Mapping[str, Any] | None, policy_min_prompt_tokens: int | None = None
+    ):
+        """See :func:`parse_request`."""
+        raw = {k: v for k, v in (raw or {}).items() if is_kv_option(k)}
+        for key, value in raw.items():
+            _check_scalar(key, value)
+        unknown = sorted(k for k in raw if k not in self.fields)
+        if unknown:
             raise KvOptionsError(
-                "kv_session", f"cannot be combined with {name} (a session compresses at the "
-                "end of each prompt)", True,
-            )  # fmt: skip
-
-
-def _check_pressure(request: KvRequest) -> None:
-    """What compression under pressure cannot do (see ``kv_when`` above)."""
-    if _sums_every_query(request.pipeline):
-        raise KvOptionsError(
-            "kv_when",
-            f'"pressure" is not supported with kv_pipeline {request.pipeline}: it would have '
-            f"to score every query all along; use {_without_running_sums()}",
-            "pressure",
-        )
-    for name, value in (("kv_compress_at", request.compress_at),
-                        ("kv_prefill_evict", request.prefill_evict or None),
-                        ("kv_session", request.session or None)):  # fmt: skip
-        if value is not None:
-            raise KvOptionsError(
-                "kv_when", f'"pressure" cannot be combined with {name}', "pressure"
+                unknown[0], f"unknown option; known: {', '.join(self.fields)}", raw[unknown[0]]
             )
-
-
-def _known_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    from obcache_vllm.scoring import SCORER_NAMES, pipeline_names
-
-    return tuple(SCORER_NAMES), pipeline_names()
+        if raw.get("kv_budget") is None:
+            others = [k for k in self.fields if k in raw and raw[k] is not None]
+            if others:
+                raise KvOptionsError(others[0], "requires kv_budget", raw[others[0]])
+            return None
+        values = {spec.name: spec.value(raw) for spec in self.specs}
+        request = self.request_type(**values, policy_min_prompt_tokens=policy_min_prompt_tokens)
+        for spec in self.specs:
+            if spec.refuse is not None:
+                spec.refuse(request)
+        return request
 
 
 def _check_scalar(key: str, value: Any) -> None:
@@ -439,55 +648,15 @@ def _check_scalar(key: str, value: Any) -> None:
         raise KvOptionsError(key, "must be finite", value)
 
 
-def _int_field(raw: Mapping[str, Any], field: str, default: int, minimum: int) -> int:
-    value = raw.get(field, default)
-    # bool is an int subclass; "true" as a window is a client bug, not a 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise KvOptionsError(field, f"must be an integer >= {minimum}", value)
-    if value < minimum:
-        raise KvOptionsError(field, f"must be an integer >= {minimum}", value)
-    return value
+TABLE = OptionTable(OPTIONS)
+KvRequest = TABLE.request_type
+KvOptions = TABLE.options_type
+WIRE_FIELDS = TABLE.fields
 
 
-def _name_field(raw: Mapping[str, Any], field: str, default: str, known: tuple[str, ...]) -> str:
-    value = raw.get(field, default)
-    if not isinstance(value, str) or value not in known:
-        shown = bounded(value)
-        shown = repr(value) if shown is value else shown
-        raise KvOptionsError(field, f"unknown name {shown}; known: {', '.join(known)}", value)
-    return value
-
-
-def _bool_field(raw: Mapping[str, Any], field: str, default: bool) -> bool:
-    value = raw.get(field, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    # vLLM's vllm_xargs model (values str | int | float | list) turns a JSON true into 1.
-    if type(value) is int and value in (0, 1):
-        return value == 1
-    raise KvOptionsError(field, "must be a boolean", value)
-
-
-def _budget_field(value: Any) -> int | float:
-    field = "kv_budget"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise KvOptionsError(field, "must be an integer >= 1 or a fraction in (0, 1]", value)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise KvOptionsError(field, "must be finite", value)
-    if isinstance(value, int):
-        if value < 1:
-            raise KvOptionsError(field, "must be an integer >= 1 or a fraction in (0, 1]", value)
-        return value
-    if value.is_integer() and value > 1:
-        return int(value)
-    if not 0.0 < value <= 1.0:
-        raise KvOptionsError(field, "a fractional budget must lie in (0, 1]", value)
-    return value
+def default(field_name: str) -> Any:
+    """The option's own default (what an unset field means)."""
+    return TABLE.spec(field_name).default
 
 
 def parse_request(
@@ -502,49 +671,7 @@ def parse_request(
     Raises:
         KvOptionsError: an unknown ``kv_*`` key, or a value out of its domain.
     """
-    raw = {k: v for k, v in (raw or {}).items() if is_kv_option(k)}
-    for key, value in raw.items():
-        _check_scalar(key, value)
-    unknown = sorted(k for k in raw if k not in WIRE_FIELDS)
-    if unknown:
-        raise KvOptionsError(
-            unknown[0], f"unknown option; known: {', '.join(WIRE_FIELDS)}", raw[unknown[0]]
-        )
-    if raw.get("kv_budget") is None:
-        others = [k for k in WIRE_FIELDS if k in raw and raw[k] is not None]
-        if others:
-            raise KvOptionsError(others[0], "requires kv_budget", raw[others[0]])
-        return None
-    scorers, pipelines = _known_names()
-    compress_at = raw.get("kv_compress_at")
-    if compress_at is not None and compress_at != AUTO:
-        if isinstance(compress_at, str):
-            raise KvOptionsError(
-                "kv_compress_at", f'must be an integer >= 1 or "{AUTO}"', compress_at
-            )
-        compress_at = _int_field(raw, "kv_compress_at", 0, 1)
-    request = KvRequest(
-        budget=_budget_field(raw["kv_budget"]),
-        scorer=_name_field(raw, "kv_scorer", DEFAULT_SCORER, scorers),
-        pipeline=_name_field(raw, "kv_pipeline", DEFAULT_PIPELINE, pipelines),
-        window=_int_field(raw, "kv_window", DEFAULT_WINDOW, 1),
-        recent=_int_field(raw, "kv_recent", DEFAULT_RECENT, 0),
-        sinks=_int_field(raw, "kv_sinks", DEFAULT_SINKS, 0),
-        decode=_bool_field(raw, "kv_decode", False),
-        compress_at=compress_at,
-        per_head=_bool_field(raw, "kv_per_head", True),
-        prefill_evict=_bool_field(raw, "kv_prefill_evict", False),
-        session=_bool_field(raw, "kv_session", False),
-        when=_name_field(raw, "kv_when", "always", WHEN),
-        policy_min_prompt_tokens=policy_min_prompt_tokens,
-    )
-    if request.session:
-        _check_session(request)
-    if request.when == "pressure":
-        _check_pressure(request)
-    if isinstance(request.budget, int):  # a fraction is checked when it is resolved
-        _check_room(request.budget, request.sinks, request.recent)
-    return request
+    return TABLE.parse_request(raw, policy_min_prompt_tokens)
 
 
 def parse_kv_options(
@@ -574,10 +701,10 @@ def admitted_options(extra_args: Mapping[str, Any] | None) -> KvOptions | None:
         return None
     if ADMITTED_KEY in extra_args:
         return KvOptions.from_wire(extra_args[ADMITTED_KEY])
-    fields = [k for k in extra_args if is_kv_option(k)]
-    if fields:
+    fields_set = [k for k in extra_args if is_kv_option(k)]
+    if fields_set:
         raise WireError(
-            f"{fields[0]} set but no admitted options: the request bypassed obcache-vllm's "
+            f"{fields_set[0]} set but no admitted options: the request bypassed obcache-vllm's "
             "admission (the input processor)"
         )
     return None

@@ -87,23 +87,10 @@ engine); "server": the shipped server default (`obcache_vllm/default.yaml`), whi
 
 
 def _option_rows() -> dict[str, str]:
-    """field -> meaning, from the table in ``obcache_vllm.options``' docstring."""
-    import re
-
+    """field -> meaning, from the options' table (``obcache_vllm.options.OPTIONS``)."""
     from obcache_vllm import options
 
-    lines = options.__doc__.splitlines()
-    rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
-    body = lines[rules[1] + 1 : rules[2]]
-    rows: dict[str, str] = {}
-    field = None
-    for line in body:
-        if line[:16].strip():
-            field = line[:16].strip()
-            rows[field] = line[16:].strip()
-        elif field is not None and line.strip():
-            rows[field] = (rows[field] + " " + line.strip()).strip()
-    return {k: re.sub(r"``([^`]+)``", r"`\1`", v) for k, v in rows.items()}
+    return {spec.field: spec.doc for spec in options.OPTIONS}
 
 
 def _json(value) -> str:
@@ -117,9 +104,6 @@ def render_rest() -> str:
     from obcache_vllm.eviction.ledger import USAGE_FIELDS
 
     rows = _option_rows()
-    missing = sorted(set(options.WIRE_FIELDS) - set(rows))
-    if missing:
-        raise SystemExit(f"obcache_vllm.options' table lacks {missing}")
     shipped = config.load_defaults({})
     out = [REST_HEADER]
     for field in options.WIRE_FIELDS:

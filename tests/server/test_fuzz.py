@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from support.server import MODEL_NAME, Server, healthy
 
-from obcache_vllm.options import WIRE_FIELDS
+from obcache_vllm.options import OPTIONS, WIRE_FIELDS
 from obcache_vllm.scoring import PIPELINE_NAMES, SCORER_NAMES
 from obcache_vllm.textgen import haystack
 
@@ -81,21 +81,18 @@ nested = st.recursive(
 )
 big = st.sampled_from([list(range(5_000)), {"k": "v" * 50_000}, [[[[[[[[[[1]]]]]]]]]]])
 
-# Plausible values keep some cases valid enough to reach the engine and evict there.
-PLAUSIBLE = {
+# Plausible values keep some cases valid enough to reach the engine and evict there: each
+# option's own examples (obcache_vllm.options.OPTIONS), widened where a range exercises more.
+PLAUSIBLE = {spec.field: st.sampled_from(spec.example_values())
+             for spec in OPTIONS if spec.example_values()}  # fmt: skip
+PLAUSIBLE.update({
     "kv_budget": st.one_of(st.integers(21, 300), st.floats(0.05, 1.0)),
-    "kv_scorer": st.sampled_from(SCORER_NAMES),
-    "kv_pipeline": st.sampled_from(PIPELINE_NAMES),
     "kv_window": st.integers(1, 2048),
     "kv_recent": st.integers(0, 16),
     "kv_sinks": st.integers(0, 4),
-    "kv_decode": st.one_of(st.booleans(), st.sampled_from(["true", "False"])),
     "kv_compress_at": st.integers(120, 350),  # long prompt only (360 tokens)
-    "kv_per_head": st.booleans(),
-    "kv_prefill_evict": st.booleans(),
-    "kv_session": st.booleans(),
-    "kv_when": st.sampled_from(["always", "pressure"]),
-}
+})  # fmt: skip
+assert set(PLAUSIBLE) == set(WIRE_FIELDS)
 # Neither a session nor compression under pressure can carry h2o's sums, nor combine with
 # kv_compress_at / kv_prefill_evict (or each other): (field, value that opts in) -> conflicts.
 CONFLICTS = {

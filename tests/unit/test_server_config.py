@@ -32,7 +32,7 @@ def test_shipped_config_file_is_the_builtin_defaults_tuned_for_the_default_model
     assert config.load_defaults({}) == SHIPPED  # no variable: the packaged file
     assert (REPO / "configs" / "default.yaml").resolve() == config.PACKAGED_CONFIG
     assert set(config.BUILTIN_DEFAULTS) == set(options.WIRE_FIELDS)
-    assert (options.DEFAULT_PIPELINE, options.DEFAULT_WINDOW) == ("snapkv", 64)  # the paper's
+    assert (options.default("kv_pipeline"), options.default("kv_window")) == ("snapkv", 64)  # paper
 
 
 def test_an_installed_wheel_serves_the_checkouts_defaults(tmp_path: Path) -> None:
