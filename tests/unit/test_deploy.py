@@ -394,6 +394,8 @@ def test_fleet_kv_aware_component_subscribes_to_every_worker(tmp_path) -> None:
                  if a == "--block-size")
     assert _arg(args, "--kv-event-block-size") == block
     assert "--kv-event-model" in args
+    # The router renders requests to tokens through the workers' render endpoints.
+    assert "--enable-scale-out" in worker["args"]
     # Everything of the plain fleet is still there.
     assert _arg(args, "--prometheus-host") == "0.0.0.0"
 
