@@ -580,24 +580,27 @@ class OptionTable:
                 return (spec.name, kind)
             return (spec.name, kind, field(default=spec.default))
 
-        namespace = {"table": self, "__module__": module}
-        self.request_type = dataclasses.make_dataclass(
+        def make(name: str, fields_: list, methods: type, doc: str) -> type:
+            cls = dataclasses.make_dataclass(
+                name, fields_, bases=(methods,), frozen=True,
+                namespace={"table": self, "__module__": module},
+            )  # fmt: skip
+            cls.__doc__ = doc
+            return cls
+
+        self.request_type = make(
             "KvRequest", [*(declared(s, (Any,)) for s in self.specs), *_request_only()],
-            bases=(_RequestMethods,), frozen=True, namespace=namespace,
-        )  # fmt: skip
-        self.request_type.__doc__ = (
+            _RequestMethods,
             "What one request asked for: every kv_* field parsed and checked, the prompt not "
             "yet known (one field per :data:`OPTIONS` row). :meth:`resolve` applies it to a "
-            "prompt and returns the :class:`KvOptions` it gets."
+            "prompt and returns the :class:`KvOptions` it gets.",
         )
-        self.options_type = dataclasses.make_dataclass(
+        self.options_type = make(
             "KvOptions", [*(declared(s, s.types) for s in self.specs), *_resolved_only()],
-            bases=(_OptionsMethods,), frozen=True, namespace=namespace,
-        )  # fmt: skip
-        self.options_type.__doc__ = (
+            _OptionsMethods,
             "The resolved eviction options of one request (frozen; what EngineCore and the "
             "worker see). ``budget`` is the resolved token budget (a ratio is already applied "
-            "to the prompt length); ``requested_budget`` is what the client asked for."
+            "to the prompt length); ``requested_budget`` is what the client asked for.",
         )
         self.wire_names = tuple(f.name for f in fields(self.options_type))
         types = {spec.name: spec.types for spec in self.specs}

@@ -325,13 +325,19 @@ def test_auto_leaves_a_tentative_session_that_a_next_turn_continues(fresh, token
 
 
 def _tentative_gives_way(engine, prefix, tokenizer, kv):
-    from support.engine import Driver
-
     for seed in range(80, 85):  # unique documents: tentative entries, within the share
         _generate(engine, _doc(tokenizer, sentences=33, seed=seed)[:1000], kv)
     assert len(prefix.held) == 5 and prefix.held.blocks <= prefix.held.base
-    surplus = prefix.held_surplus
-    assert surplus == prefix.held.blocks > 3
+    assert prefix.held_surplus == prefix.held.blocks > 3
+    _long_beside_short(engine, tokenizer)
+    assert prefix.counts.get(("session", "released"), 0) >= 1
+
+
+def _long_beside_short(engine, tokenizer):
+    """A short request runs while a long one waits for 3 blocks more than are free beside it:
+    the long one must run beside it (no preemption), and each gets its tokens alone."""
+    from support.engine import Driver
+
     free = engine.pool.get_num_free_blocks()
     short_prompt = _doc(tokenizer, sentences=8, seed=90)[:200]  # 7 blocks, then it grows
     long_len = (free - 7 + 3) * BS - 1  # 3 blocks more than are free beside the short one
@@ -343,7 +349,7 @@ def _tentative_gives_way(engine, prefix, tokenizer, kv):
         b = driver.add("long", long_prompt, 4, ignore_eos=True)
         outputs = driver.run()
     assert driver.max_running == 2 and preempted == []  # the long one ran beside the short one
-    assert prefix.counts.get(("session", "released"), 0) >= 1
+    # unbudgeted requests: each alone gives the same tokens (stock parity: tests/vllm/)
     assert outputs[a] == _generate(engine, short_prompt, max_tokens=96, ignore_eos=True)[0]
     assert outputs[b] == _generate(engine, long_prompt, max_tokens=4, ignore_eos=True)[0]
 
@@ -365,27 +371,12 @@ def test_holds_above_the_base_share_give_way_to_a_waiting_request(fresh, tokeniz
 
 
 def _surplus_gives_way(engine, prefix, tokenizer):
-    from support.engine import Driver
-
     docs = [_doc(tokenizer, sentences=33, seed=70 + i)[:1000] for i in range(5)]
     for doc in docs:  # five entries of ~11 blocks: more than the base share (23 blocks)
         _generate(engine, doc + _questions(tokenizer)[0],
                   {"kv_budget": 320, "kv_compress_at": len(doc), "kv_pipeline": "tova"})
     assert len(prefix.held) == 5 and prefix.held.blocks > prefix.held.base
-    surplus = prefix.held_surplus
-    free = engine.pool.get_num_free_blocks()
-    short_prompt = _doc(tokenizer, sentences=8, seed=90)[:200]  # 7 blocks, then it grows
-    long_len = (free - 7 + 3) * BS - 1  # 3 blocks more than are free beside the short one
-    assert 3 < surplus and long_len < 2048 - 8
-    long_prompt = _doc(tokenizer, sentences=50, seed=91)[:long_len]
-    driver = Driver(engine)
-    with _counting_preemptions(engine) as preempted:
-        a = driver.add("short", short_prompt, 96, ignore_eos=True)
-        b = driver.add("long", long_prompt, 4, ignore_eos=True)
-        outputs = driver.run()
-    assert driver.max_running == 2 and preempted == []  # the long one ran beside the short one
+    assert prefix.held_surplus > 3
+    _long_beside_short(engine, tokenizer)
     assert prefix.counts[("compress_at", "released")] >= 1
     assert prefix.held.blocks >= prefix.held.base  # only the surplus gave way
-    # unbudgeted requests: each alone gives the same tokens (stock parity: tests/vllm/)
-    assert outputs[a] == _generate(engine, short_prompt, max_tokens=96, ignore_eos=True)[0]
-    assert outputs[b] == _generate(engine, long_prompt, max_tokens=4, ignore_eos=True)[0]
