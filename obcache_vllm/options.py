@@ -303,59 +303,63 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "kv_budget", budget, REQUIRED, (int,), server_default=None, refuse=_refuse_no_room,
         examples=(64, 96, 200),
-        doc="int >= 1: resident KV tokens per layer and KV head after eviction; float in "
-        "(0, 1]: that fraction of the prompt (rounded up).",
+        doc="int >= 1: KV tokens kept per layer and KV head after eviction; float in (0, 1]: "
+        "that fraction of the prompt (rounded up; of k with `kv_compress_at`). Unset: a stock "
+        "request",
     ),
     OptionSpec(
         "kv_scorer", one_of(_scorer_names), "obcache_key", (str,),
         examples=_scorer_names,
-        doc="token score (see `obcache_vllm.scoring.SCORER_NAMES`)",
+        doc="token score: `obcache_key`, `obcache_value`, `obcache_joint` (OBCache), `attn`, "
+        "`value_norm`, `key_norm`, `random` (`obcache_vllm.scoring.SCORER_NAMES`)",
     ),
     OptionSpec(
         "kv_pipeline", one_of(_pipeline_names), "snapkv", (str,),
         examples=_pipeline_names,
-        doc="selection pipeline (see `obcache_vllm.scoring.PIPELINE_NAMES`)",
+        doc="selection pipeline: `snapkv` (last `kv_window` queries, max-pooled), `h2o` (all "
+        "prompt queries), `tova` (last query), `streaming` (sinks + recent)",
     ),
     OptionSpec(
         "kv_window", integer(1), 64, (int,), examples=(1, 8, 32),
-        doc="observation window (last prompt queries) for `snapkv`; default 64",
+        doc="snapkv's observation window (last prompt queries), at most the model context",
     ),
     OptionSpec(
         "kv_recent", integer(0), 16, (int,), examples=(0, 4),
-        doc="most recent tokens always kept; default 16",
+        doc="most recent tokens always kept",
     ),
     OptionSpec(
         "kv_sinks", integer(0), 4, (int,), examples=(0, 2),
-        doc="first tokens always kept (attention sinks); default 4",
+        doc="first tokens always kept (attention sinks)",
     ),
     OptionSpec(
         "kv_decode", boolean, False, (bool,), examples=(False, True, "true", 1),
-        doc="also evict during decoding (running scores); default false. Booleans are "
-        'true/false, "true"/"false" or 1/0 (`vllm_xargs` turns JSON booleans into integers)',
+        doc="also evict while generating (running scores, one block at a time). Booleans are "
+        '`true`/`false`, `"true"`/`"false"` or `1`/`0` (in `vllm_xargs` vLLM turns JSON '
+        "booleans into integers)",
     ),
     OptionSpec(
         "kv_compress_at", point, None, (int, type(None)), server_default=None,
-        doc="int k in [1, prompt length]: evict once the first k prompt tokens are cached, "
+        doc="int k, 1 <= k <= prompt length: evict once the first k prompt tokens are cached, "
         "scored with queries from those k only; the rest of the prompt (e.g. the question) is "
-        'prefilled on the compressed cache ("query-agnostic"). A fractional kv_budget is then '
-        'a fraction of k. `"auto"`: a prompt that continues a recent `"auto"` prompt (a '
-        "chat's next turn) is served as `kv_session`; else k is the longest prefix (whole "
-        "blocks, at least half the prompt) it shares with a recent one, else the whole prompt, "
-        "as a tentative `kv_session` (its final cache is kept for a next turn while the pool "
-        "has room; `obcache_vllm.eviction.sightings`); the server policy's default. Default: "
-        "the whole prompt.",
+        'then prefilled on the compressed cache ("query-agnostic"). `"auto"`: a prompt that '
+        'continues a recent `"auto"` prompt (a chat\'s next turn) is served as `kv_session`; '
+        "else k is the longest prefix (whole blocks, at least half the prompt) it shares with "
+        "a recent one, else the whole prompt, as a tentative `kv_session` (its final cache is "
+        "kept for a next turn while the pool has room); the server policy's default budget "
+        "uses it. Unset: the whole prompt",
     ),
     OptionSpec(
         "kv_per_head", boolean, True, (bool,), examples=(True, False),
         doc="true: each KV head keeps its own top tokens; false: one ranking per layer (scores "
-        "summed over heads, as kvpress's presses do); default true",
+        "summed over its KV heads, as kvpress's presses select)",
     ),
     OptionSpec(
         "kv_prefill_evict", boolean, False, (bool,), examples=(False, True),
-        doc="also evict after every prefill chunk that leaves a whole block over budget, so "
-        "the prompt never holds more than budget + one chunk (+ one block): a prompt longer "
-        "than the KV pool can be served. Each chunk's eviction is scored with the queries "
-        "prefilled so far (as `kv_compress_at` at that chunk's end). Default false",
+        doc="true: also evict after every prefill chunk that leaves a whole block over budget, "
+        "so the prompt never holds more than `ceil((budget + chunk) / block size) + 1` blocks "
+        "while it is prefilled and a prompt longer than the KV pool can be served. Each "
+        "chunk's eviction is scored with the queries prefilled so far (as `kv_compress_at` at "
+        "that chunk's end)",
     ),
     OptionSpec(
         "kv_session", boolean, False, (bool,), server_default=None, refuse=_refuse_session,
@@ -363,17 +367,17 @@ OPTIONS: tuple[OptionSpec, ...] = (
         doc="true: continue from the compressed cache an earlier `kv_session` request left "
         "behind, if its tokens (prompt and output, as cached) are exactly a prefix of this "
         "prompt and its options and cache salt are the same; leave this request's final cache "
-        "for the next turn. Not with h2o (its running sums would have to travel with the "
-        "cache), `kv_compress_at` or `kv_prefill_evict`. Default false",
+        "for the next turn. vLLM's `session_id` (body, `X-Session-ID`, `vllm_xargs`) does the "
+        "same. Not with `h2o` (its running sums would have to travel with the cache), "
+        "`kv_compress_at` or `kv_prefill_evict`",
     ),
     OptionSpec(
         "kv_when", one_of(lambda: WHEN), "always", (str,), refuse=_refuse_pressure,
         examples=WHEN,
-        doc='"always": evict as the options say (the default); "pressure": run exactly as '
-        "stock vLLM while the KV pool has room, and compress to the budget only when the "
-        "scheduler would otherwise preempt a running request or leave a waiting one unadmitted "
-        "for lack of blocks (then as the options say). Not with h2o, `kv_compress_at`, "
-        "`kv_prefill_evict` or `kv_session`",
+        doc="`\"always\"`: evict as the options say; `\"pressure\"`: run exactly as stock vLLM "
+        "while the KV pool has room, and compress to the budget only when the scheduler would "
+        "otherwise preempt a running request or leave a waiting one unadmitted for lack of "
+        "blocks. Not with `h2o`, `kv_compress_at`, `kv_prefill_evict` or `kv_session`",
     ),
 )  # fmt: skip
 

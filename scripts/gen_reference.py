@@ -1,5 +1,6 @@
 """Write the reference pages from the code: docs/reference/cli.md (the command's argument
-parsers) and docs/reference/rest.md (the kv_* request fields of ``obcache_vllm.options``, their
+parsers), docs/reference/_options.md (the options table, a snippet of the user guide) and
+docs/reference/rest.md (the kv_* request fields of ``obcache_vllm.options``, their
 built-in and shipped defaults, the ``usage.obcache`` keys of
 ``obcache_vllm.eviction.ledger.USAGE_FIELDS``, the config endpoint).
 
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = {name: ROOT / "docs" / "reference" / f"{name}.md" for name in ("cli", "rest")}
+PAGES = {name: ROOT / "docs" / "reference" / f"{name}.md" for name in ("cli", "rest", "_options")}
 
 HEADER = """# Command-line reference
 
@@ -81,8 +82,6 @@ value is an HTTP 400 naming the field. "built-in": the option's own default (the
 engine); "server": the shipped server default (`obcache_vllm/default.yaml`), which
 `OBCACHE_VLLM_CONFIG`, `OBCACHE_KV_<NAME>` and `--default-kv-<name>` change.
 
-| field | meaning | built-in | server |
-| --- | --- | --- | --- |
 """
 
 
@@ -99,17 +98,31 @@ def _json(value) -> str:
     return "-" if value is None else f"`{json.dumps(value)}`"
 
 
-def render_rest() -> str:
+OPTIONS_HEADER = """| field | meaning | built-in | server |
+| --- | --- | --- | --- |
+"""
+
+
+def render_options() -> str:
+    """The options table, one row per ``obcache_vllm.options.OPTIONS`` row: in the REST
+    reference and, as the snippet docs/reference/_options.md, in the user guide's options page."""
     from obcache_vllm import config, options
-    from obcache_vllm.eviction.ledger import USAGE_FIELDS
 
     rows = _option_rows()
     shipped = config.load_defaults({})
-    out = [REST_HEADER]
+    out = [OPTIONS_HEADER]
     for field in options.WIRE_FIELDS:
         meaning = rows[field].replace("|", "\\|")
         builtin = config.BUILTIN_DEFAULTS[field]
         out.append(f"| `{field}` | {meaning} | {_json(builtin)} | {_json(shipped[field])} |\n")
+    return "".join(out)
+
+
+def render_rest() -> str:
+    from obcache_vllm import config, options
+    from obcache_vllm.eviction.ledger import USAGE_FIELDS
+
+    out = [REST_HEADER, render_options()]
     out.append(
         "\n## `usage.obcache`\n\nEvery budgeted response's `usage` carries `obcache` (in the "
         "final chunk of a stream with `stream_options.include_usage`); offline, "
@@ -129,7 +142,7 @@ def render_rest() -> str:
 
 
 def main() -> int:
-    texts = {"cli": render_cli(), "rest": render_rest()}
+    texts = {"cli": render_cli(), "rest": render_rest(), "_options": render_options()}
     stale = [p for name, p in PAGES.items() if not p.is_file() or p.read_text() != texts[name]]
     if "--check" in sys.argv[1:]:
         for page in stale:
