@@ -119,7 +119,7 @@ def render_options() -> str:
 
 
 def render_rest() -> str:
-    from obcache_vllm import config, options
+    from obcache_vllm import config
     from obcache_vllm.eviction.ledger import USAGE_FIELDS
 
     out = [REST_HEADER, render_options()]
