@@ -160,7 +160,8 @@ def _scrape(url: str) -> Snapshot:
         return Snapshot.parse(resp.read().decode(), time.time())
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of ``values`` by nearest rank; None when empty."""
     if not values:
         return None
     values = sorted(values)
@@ -199,10 +200,10 @@ def run_arm(arm: str, args) -> dict:
         "seconds": round(seconds, 1),
         "request_throughput": len(ok) / seconds,
         "ttft_mean": statistics.fmean(ttft) if ttft else None,
-        "ttft_p50": _pct(ttft, 50),
-        "ttft_p99": _pct(ttft, 99),
-        "follow_ttft_p50": _pct(ttft2, 50),
-        "follow_ttft_p99": _pct(ttft2, 99),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "follow_ttft_p50": percentile(ttft2, 50),
+        "follow_ttft_p99": percentile(ttft2, 99),
         "follow_ups": len(follow),
         "continued": len(continued),
         "prompt_tokens_mean": statistics.fmean(t.prompt_tokens for t in ok if t.prompt_tokens),

@@ -8,9 +8,9 @@ load through the router:
 
 * **documents** (``/v1/completions``, clients unchanged: no kv_* field, no header):
   ``--docs`` documents of ~900 tokens, ``--questions`` questions each, sent by ``--doc-clients``
-  clients one at a time, the questions of a document spread over the run (each client walks
-  the documents in its own order), so a document's questions meet on one worker only if the
-  router sends them there;
+  clients one at a time, round by round over the documents (a document's questions come
+  ``--docs`` requests apart, from different clients), so a document's questions meet on one
+  worker only if the router sends them there;
 * **chats** (``/v1/chat/completions``): ``--chats`` conversations of ``--turns`` turns, each
   resending the conversation so far with vLLM's ``X-Session-ID`` header, the header the
   router's ``consistent_hash`` hashes (the id also makes every turn a session on the worker).
@@ -19,9 +19,11 @@ Policies (``--policies``): ``round_robin``; ``consistent_hash`` (the session hea
 hash of the body); ``kv_aware``: the router subscribes to every worker's KV events
 (``--kv-event-source URL=tcp://...``, ``--kv-event-block-size 32``, ``--kv-event-model``) and
 sends a request to the worker holding the longest cached prefix of its tokens, weighed
-against load. For HTTP workers the router tokenizes requests itself: ``VLLM_ROUTER_TOKENIZER``
-names the model's local directory (the router otherwise looks the tokenizer up on the Hugging
-Face hub), and it renders a chat's messages with the model's own chat template.
+against load. For HTTP workers the router turns a request into tokens by calling the
+worker's ``/v1/completions/render`` or ``/v1/chat/completions/render``, which vLLM registers
+with ``--enable-scale-out``; the worker must bind its event socket (``tcp://*:PORT``).
+``VLLM_ROUTER_TOKENIZER`` (the model's local directory) is set too; whether the router needs
+it once the workers render was not tested.
 
 Reported per policy and workload (``routing.md``; every request in ``routing.json``):
 requests/s over the whole run, TTFT p50/p99 (streamed), requests served per worker (balance:
@@ -45,6 +47,7 @@ from pathlib import Path
 
 from loadtest.fleet import MODEL, router, router_counts
 from loadtest.launch import free_port, launched
+from loadtest.multiturn import percentile
 from loadtest.stream import post_streamed
 from obcache_vllm.textgen import haystack
 
@@ -61,13 +64,6 @@ QUESTIONS = ["Which towns appear in the records?", "What was traded in the winte
              "Who is named first?", "Which season comes last?"]  # fmt: skip
 ASKS = ["Summarize the records.", "Which towns traded grain?", "What came next?",
         "And after that?", "Which year is it?", "Anything else?"]  # fmt: skip
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
 def _document(index: int, seed: int) -> str:
@@ -193,7 +189,7 @@ def run_policy(policy: str, args, seed: int) -> dict:
         ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
         entry = {"requests": len(mine), "errors": len(mine) - len(ok),
                  "request_throughput": len(ok) / seconds,
-                 "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99)}  # fmt: skip
+                 "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99)}  # fmt: skip
         if workload == "docs":
             entry["adopted"] = sum(r["reused_tokens"] > 0 for r in ok)
             entry["prefix_hits"] = sum(r["cached_tokens"] > 0 for r in ok)
