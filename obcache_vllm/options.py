@@ -150,12 +150,19 @@ def budget(field: str, value: Any) -> int | float:
 
 
 def point(field: str, value: Any) -> int | str:
-    """A prompt position >= 1, or ``"auto"``."""
+    """A prompt position >= 1, a negative ``-n`` (n tokens before the prompt's end, resolved
+    against each prompt), or ``"auto"``."""
     if value == AUTO:
         return AUTO
-    if isinstance(value, str):
-        raise KvOptionsError(field, f'must be an integer >= 1 or "{AUTO}"', value)
-    return integer(1)(field, value)
+    why = f'must be an integer >= 1, a negative integer (tokens before the end) or "{AUTO}"'
+    if isinstance(value, str) or value == 0:
+        raise KvOptionsError(field, why, value)
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        return value
+    try:
+        return integer(1)(field, value)
+    except KvOptionsError:
+        raise KvOptionsError(field, why, value) from None
 
 
 def _scorer_names() -> tuple[str, ...]:
@@ -341,7 +348,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "kv_compress_at", point, None, (int, type(None)), server_default=None,
         doc="int k, 1 <= k <= prompt length: evict once the first k prompt tokens are cached, "
         "scored with queries from those k only; the rest of the prompt (e.g. the question) is "
-        'then prefilled on the compressed cache ("query-agnostic"). `"auto"`: a prompt that '
+        'then prefilled on the compressed cache ("query-agnostic"). A negative -n is k = '
+        "prompt length - n, for clients that send one setting for prompts of any length (an "
+        "evaluation harness's question of up to n tokens at the end). "
+        '`"auto"`: a prompt that '
         'continues a recent `"auto"` prompt (a chat\'s next turn) is served as `kv_session`; '
         "else k is the longest prefix (whole blocks, at least half the prompt) it shares with "
         "a recent one, else the whole prompt, as a tentative `kv_session` (its final cache is "
@@ -512,6 +522,18 @@ class _RequestMethods:
                 first = dataclasses.replace(self, compress_at=None, session=True)
                 resolved = first.resolve(num_prompt_tokens, max_model_len)
                 return dataclasses.replace(resolved, tentative=True)
+            return dataclasses.replace(self, compress_at=at).resolve(
+                num_prompt_tokens, max_model_len
+            )
+        if self.compress_at is not None and self.compress_at < 0:
+            at = num_prompt_tokens + self.compress_at
+            if at < 1:
+                raise KvOptionsError(
+                    "kv_compress_at",
+                    f"{self.compress_at} reaches before the start of a {num_prompt_tokens}-token "
+                    "prompt",
+                    self.compress_at,
+                )
             return dataclasses.replace(self, compress_at=at).resolve(
                 num_prompt_tokens, max_model_len
             )

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from obcache_vllm.eviction.planning import plan_eviction
-from obcache_vllm.options import KvOptions, KvOptionsError, parse_kv_options
+from obcache_vllm.options import KvOptions, KvOptionsError, parse_kv_options, parse_request
 
 
 def test_no_budget_means_stock_request():
@@ -62,6 +62,15 @@ def test_compress_at_is_the_eviction_point_and_the_base_of_a_fraction():
     assert parse_kv_options({"kv_budget": 100, "kv_compress_at": 1000}, 1000).budget == 100
 
 
+def test_a_negative_compress_at_counts_back_from_each_prompts_end():
+    """One setting for prompts of any length (an evaluation harness's arm): the resolved
+    options carry the absolute point, so nothing downstream sees the negative form."""
+    for length in (300, 1000):
+        opts = parse_kv_options({"kv_budget": 0.5, "kv_compress_at": -64}, length)
+        assert opts.compress_at == length - 64 and opts.budget == math.ceil((length - 64) / 2)
+    assert not parse_request({"kv_budget": 0.5, "kv_compress_at": -64}).joins_session()
+
+
 @pytest.mark.parametrize(
     "extra, field",
     [
@@ -90,6 +99,12 @@ def test_compress_at_is_the_eviction_point_and_the_base_of_a_fraction():
         ),
         pytest.param(
             {"kv_budget": 64, "kv_compress_at": "500"}, "kv_compress_at", id="compress-string"
+        ),
+        pytest.param(
+            {"kv_budget": 64, "kv_compress_at": -1000}, "kv_compress_at", id="compress-before-start"
+        ),
+        pytest.param(
+            {"kv_budget": 64, "kv_compress_at": -2.5}, "kv_compress_at", id="compress-neg-float"
         ),
     ],
 )
