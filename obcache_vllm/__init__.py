@@ -9,8 +9,8 @@ One request's ``kv_budget``, from the HTTP body to the freed blocks::
 
   API server (vllm_ext/frontend)        EngineCore (vllm_ext/engine)     worker (vllm_ext/worker)
   to_sampling_params: kv_* fields +     add_request: decode the wire,
-    the server policy -> parse_request    open it in the BlockLedger
-    (a KvRequest, parsed once)            (eviction/ledger.py)
+    the server policy -> admission.parse  open it in the BlockLedger
+    (Requested, parsed once)              (eviction/ledger.py)
   _log_inputs: admit on the rendered    _get_local_prefix_cache_hit:
     prompt (resolve, refusals, fit)       exact hit or compressed entry
   process_inputs: the admitted            (prefix.py; copy-on-write of

@@ -41,8 +41,9 @@ from typing import Any
 # kv_-prefixed extra_args keys that belong to vLLM, not to us (KV-connector transfer params).
 FOREIGN_KV_KEYS = ("kv_transfer_params",)
 
-# The extra_args key of the admitted options: an in-process object between the front end's
-# steps, the wire tuple once the request leaves the input processor. Reserved: a client that
+# The extra_args key of the admitted options: the front end's stage objects between its steps
+# (admission.Requested, then admission.Admitted), the wire tuple once the request leaves the
+# input processor. Reserved: a client that
 # sends it in vllm_xargs gets a 400.
 ADMITTED_KEY = "obcache"
 WIRE_VERSION = "obcache/1"
@@ -404,15 +405,6 @@ def _resolved_only() -> list[tuple]:
     ]
 
 
-def _request_only() -> list[tuple]:
-    """Fields of :class:`KvRequest` that no client sets: the front end's."""
-    return [
-        # Not None: the budget is the server policy's (the request set none), for prompts of at
-        # least this many tokens (see obcache_vllm.config); admission may then waive it.
-        ("policy_min_prompt_tokens", Any, field(default=None, kw_only=True)),
-    ]
-
-
 _RESOLVED_TYPES: dict[str, tuple[type, ...]] = {
     "requested_budget": (int, float, type(None)),
     "tentative": (bool,),
@@ -615,7 +607,7 @@ class OptionTable:
             return cls
 
         self.request_type = make(
-            "KvRequest", [*(declared(s, (Any,)) for s in self.specs), *_request_only()],
+            "KvRequest", [declared(s, (Any,)) for s in self.specs],
             _RequestMethods,
             "What one request asked for: every kv_* field parsed and checked, the prompt not "
             "yet known (one field per :data:`OPTIONS` row). :meth:`resolve` applies it to a "
@@ -642,9 +634,7 @@ class OptionTable:
     def per_request_only(self) -> tuple[str, ...]:
         return tuple(spec.field for spec in self.specs if spec.per_request_only)
 
-    def parse_request(
-        self, raw: Mapping[str, Any] | None, policy_min_prompt_tokens: int | None = None
-    ):
+    def parse_request(self, raw: Mapping[str, Any] | None):
         """See :func:`parse_request`."""
         raw = {k: v for k, v in (raw or {}).items() if is_kv_option(k)}
         for key, value in raw.items():
@@ -660,7 +650,7 @@ class OptionTable:
                 raise KvOptionsError(others[0], "requires kv_budget", raw[others[0]])
             return None
         values = {spec.name: spec.value(raw) for spec in self.specs}
-        request = self.request_type(**values, policy_min_prompt_tokens=policy_min_prompt_tokens)
+        request = self.request_type(**values)
         for spec in self.specs:
             if spec.refuse is not None:
                 spec.refuse(request)
@@ -688,9 +678,7 @@ def default(field_name: str) -> Any:
     return TABLE.spec(field_name).default
 
 
-def parse_request(
-    raw: Mapping[str, Any] | None, policy_min_prompt_tokens: int | None = None
-) -> KvRequest | None:
+def parse_request(raw: Mapping[str, Any] | None) -> KvRequest | None:
     """Parse and check the kv_* fields of one request; ``None`` if it sets no budget.
 
     The one parser of request options: the front end calls it once per request (see
@@ -700,7 +688,7 @@ def parse_request(
     Raises:
         KvOptionsError: an unknown ``kv_*`` key, or a value out of its domain.
     """
-    return TABLE.parse_request(raw, policy_min_prompt_tokens)
+    return TABLE.parse_request(raw)
 
 
 def parse_kv_options(

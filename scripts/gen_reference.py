@@ -1,5 +1,6 @@
 """Write the reference pages from the code: docs/reference/cli.md (the command's argument
-parsers), docs/reference/_options.md (the options table, a snippet of the user guide) and
+parsers), docs/reference/_options.md (the options table, a snippet of the user guide),
+docs/reference/_seams.md (the seam registry, a snippet of the contributing guide) and
 docs/reference/rest.md (the kv_* request fields of ``obcache_vllm.options``, their
 built-in and shipped defaults, the ``usage.obcache`` keys of
 ``obcache_vllm.eviction.ledger.USAGE_FIELDS``, the config endpoint).
@@ -18,7 +19,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = {name: ROOT / "docs" / "reference" / f"{name}.md" for name in ("cli", "rest", "_options")}
+PAGES = {name: ROOT / "docs" / "reference" / f"{name}.md"
+         for name in ("cli", "rest", "_options", "_seams")}  # fmt: skip
 
 HEADER = """# Command-line reference
 
@@ -141,8 +143,27 @@ def render_rest() -> str:
     return "".join(out)
 
 
+def render_seams() -> str:
+    """The seam registry (``obcache_vllm.vllm_ext.seams.REGISTRY``) as a table: the snippet
+    docs/reference/_seams.md of the contributing guide's seams page."""
+    from obcache_vllm.vllm_ext import seams
+
+    out = ["| vLLM name | how | process | backend | parameters pinned | installed | why |\n",
+           "| --- | --- | --- | --- | --- | --- | --- |\n"]
+    for row in seams.REGISTRY:
+        params = "" if row.params is None else ", ".join(row.params) or "(none)"
+        if row.attrs:
+            params = "attributes: " + ", ".join(row.attrs)
+        installed = f"`{row.install}`" if row.install else ""
+        cells = [f"`{row.module}:{row.qualname}`", row.how, row.process, row.backend, params,
+                 installed, row.why]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |\n")
+    return "".join(out)
+
+
 def main() -> int:
-    texts = {"cli": render_cli(), "rest": render_rest(), "_options": render_options()}
+    texts = {"cli": render_cli(), "rest": render_rest(), "_options": render_options(),
+             "_seams": render_seams()}
     stale = [p for name, p in PAGES.items() if not p.is_file() or p.read_text() != texts[name]]
     if "--check" in sys.argv[1:]:
         for page in stale:

@@ -1,8 +1,9 @@
 """The seam tables checked statically against a vLLM release that is not installed.
 
-:mod:`.seams` checks SEAMS / ATTRIBUTES / STATE (and flash_attn's CUDA_SEAMS) by importing the
-installed vLLM. To see before an upgrade what would break, this reads the ``.py`` files of a
-wheel (a zip) or a source tree with :mod:`ast` and imports nothing (stdlib only):
+:mod:`.seams` checks the registry's rows (as the tables SEAMS / CUDA_SEAMS / ATTRIBUTES /
+STATE) by importing the installed vLLM. To see before an upgrade what would break, this reads
+the ``.py`` files of a wheel (a zip) or a source tree with :mod:`ast` and imports nothing
+(stdlib only):
 
     python -m obcache_vllm.vllm_ext.compat --vllm 0.33.0 [--wheel PATH] [--out DIR]
 
@@ -62,18 +63,12 @@ class Hit:
 
 
 def tables(version: str | None = None) -> dict[str, tuple]:
-    """SEAMS (as they stand in vLLM ``version``), CUDA_SEAMS, ATTRIBUTES, STATE (seams.py
-    imports no vLLM; flash_attn.py does)."""
+    """The seam registry's rows as four tables: SEAMS (as they stand in vLLM ``version``),
+    CUDA_SEAMS, ATTRIBUTES, STATE (seams.py imports no vLLM)."""
     from obcache_vllm.vllm_ext import seams
 
-    src = Path(__file__).with_name("worker") / "backends" / "flash_attn.py"
-    cuda = [n.value for n in ast.parse(src.read_text()).body
-            if isinstance(n, ast.Assign | ast.AnnAssign)
-            and "CUDA_SEAMS" in {getattr(t, "id", None) for t in _targets(n)}]
-    if not cuda:
-        raise ValueError(f"no CUDA_SEAMS assignment in {src}")
     rows = seams.SEAMS if version is None else seams.seams_for(version)
-    return {"SEAMS": rows, "CUDA_SEAMS": ast.literal_eval(cuda[0]),
+    return {"SEAMS": rows, "CUDA_SEAMS": seams.CUDA_SEAMS,
             "ATTRIBUTES": seams.ATTRIBUTES, "STATE": seams.STATE}
 
 

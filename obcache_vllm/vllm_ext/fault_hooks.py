@@ -23,7 +23,7 @@ import functools
 
 from obcache_vllm.eviction import faults
 from obcache_vllm.eviction.faults import FaultyView, InjectedFault
-from obcache_vllm.vllm_ext.patching import patch_method
+from obcache_vllm.vllm_ext import seams
 
 LAYER_STAGES = ("score", "compact")
 _faults = faults.Faults()  # this process's pending faults
@@ -149,16 +149,26 @@ def _wrap_grouping(original):
     return group_decode_orders
 
 
+_HERE = "obcache_vllm.vllm_ext.fault_hooks"
+_ENGINE = "obcache_vllm.vllm_ext.engine"
+_WORKER = "obcache_vllm.vllm_ext.worker"
+# obcache-vllm's own functions, wrapped the way the seam registry wraps vLLM's (these are not
+# vLLM seams: nothing here is checked against vLLM).
+HOOKS = tuple(
+    seams.Seam(module, qualname, how="wrap", process="every", install=f"{_HERE}:{wrapper}",
+               why="fault injection (tests only)")
+    for module, qualname, wrapper in (
+        (f"{_ENGINE}.scheduler", "OBCacheScheduler.add_request", "_wrap_add_request"),
+        (f"{_ENGINE}.scheduler", "OBCacheScheduler._plan_request", "_wrap_plan_request"),
+        (f"{_ENGINE}.prefix", "PrefixAdapter.lookup", "_wrap_lookup"),
+        (f"{_WORKER}.runner", "EvictingRunnerMixin._obcache_update_states", "_wrap_update_states"),
+        (f"{_WORKER}.runner", "EvictingRunnerMixin._obcache_commit", "_wrap_commit"),
+        (f"{_WORKER}.attention", "evict_after_attention", "_wrap_evict"),
+        (f"{_WORKER}.runner", "_group_decode_orders", "_wrap_grouping"),
+    )
+)
+
+
 def install() -> None:
     """Wrap the eviction path (idempotent; only called when :func:`faults.enabled`)."""
-    from obcache_vllm.vllm_ext.engine.prefix import PrefixAdapter
-    from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
-    from obcache_vllm.vllm_ext.worker import attention, runner
-
-    patch_method(OBCacheScheduler, "add_request", _wrap_add_request)
-    patch_method(OBCacheScheduler, "_plan_request", _wrap_plan_request)
-    patch_method(PrefixAdapter, "lookup", _wrap_lookup)
-    patch_method(runner.EvictingRunnerMixin, "_obcache_update_states", _wrap_update_states)
-    patch_method(runner.EvictingRunnerMixin, "_obcache_commit", _wrap_commit)
-    patch_method(attention, "evict_after_attention", _wrap_evict)
-    patch_method(runner, "_group_decode_orders", _wrap_grouping)
+    seams.apply(serving=False, backend="any", rows=HOOKS)

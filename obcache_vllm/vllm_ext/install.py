@@ -1,22 +1,22 @@
-"""Every patch obcache-vllm applies to vLLM, in one place, version- and signature-checked.
+"""Installs obcache-vllm in a vLLM process: check, then apply the seam registry.
 
 :func:`install` runs in every vLLM process (from the ``obcache`` general plugin) and is
-idempotent. It first verifies the vLLM version and the signature of every internal it relies
-on (:data:`~obcache_vllm.vllm_ext.seams.SEAMS`); a mismatch raises
-:class:`IncompatibleVllmError` and vLLM refuses to start,
-rather than silently compacting KV through a changed interface. Then, process-locally:
+idempotent. It first verifies the vLLM version and every row of the seam registry
+(:data:`~obcache_vllm.vllm_ext.seams.REGISTRY`) for this process and platform; a mismatch
+raises :class:`IncompatibleVllmError` and vLLM refuses to start, rather than silently
+compacting KV through a changed interface. Then it applies the registry's rows
+(:func:`~obcache_vllm.vllm_ext.seams.apply`): every patch is a row there, with the wrapper it
+installs. What the rows do, in short:
 
 * ``SchedulerConfig.get_scheduler_cls``: where vLLM would use its synchronous ``Scheduler``,
-  use :class:`~obcache_vllm.vllm_ext.engine.scheduler.OBCacheScheduler` (EngineCore process).
-* ``cpu_worker.CPUModelRunner`` ->
-  :class:`~obcache_vllm.vllm_ext.worker.backends.cpu.OBCacheCPUModelRunner` (worker process; the CPU
-  worker builds its runner by this module-global name).
-* ``AttentionBackendEnum.CPU_ATTN`` ->
-  :class:`~obcache_vllm.vllm_ext.worker.backends.cpu.OBCacheCPUBackend`.
-* On CUDA instead (:func:`~obcache_vllm.vllm_ext.worker.backends.flash_attn.install_cuda`, with its
-  own pinned seams): ``gpu_worker.Worker._make_model_runner`` builds
-  :class:`~obcache_vllm.vllm_ext.worker.backends.flash_attn.OBCacheGPUModelRunner` on the V1 path,
-  and ``AttentionBackendEnum.FLASH_ATTN`` -> ``OBCacheFlashAttnBackend``.
+  use :class:`~obcache_vllm.vllm_ext.engine.scheduler.OBCacheScheduler` (EngineCore process);
+  the scheduler binds its adapters to the KV-cache manager vLLM builds for it
+  (:func:`~obcache_vllm.vllm_ext.seams.bind`).
+* The platform's worker half: on CPU ``cpu_worker.CPUModelRunner`` ->
+  :class:`~obcache_vllm.vllm_ext.worker.backends.cpu.OBCacheCPUModelRunner` and the
+  ``CPU_ATTN`` backend -> ``OBCacheCPUBackend``; on CUDA ``gpu_worker.Worker.
+  _make_model_runner`` builds ``OBCacheGPUModelRunner`` on the V1 path, and ``FLASH_ATTN`` ->
+  ``OBCacheFlashAttnBackend``.
 * ``InputProcessor.process_inputs``: the last step of admission
   (:func:`~obcache_vllm.vllm_ext.frontend.admission.admit_engine_request`): a request leaves
   the front end with its admitted options in their wire form, or is refused with a 400. The
@@ -29,10 +29,9 @@ rather than silently compacting KV through a changed interface. Then, process-lo
   requests that can never fit get a 400 (:mod:`~obcache_vllm.vllm_ext.frontend.capacity`).
 * In the process that serves the OpenAI API (vLLM's app builder is loaded when the plugin
   starts; decided before anything is imported, so EngineCore and workers never import the
-  server's modules on our behalf):
-  :func:`obcache_vllm.vllm_ext.frontend.server.install_server` (kv_* request fields and
-  server defaults, ``usage.obcache``, ``GET /v1/obcache/config``) and the obcache Prometheus
-  stat logger.
+  server's modules on our behalf): the ``server`` rows (:mod:`~obcache_vllm.vllm_ext.
+  frontend.server`: kv_* request fields and server defaults, ``usage.obcache``,
+  ``GET /v1/obcache/config``) and the obcache Prometheus stat logger.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ import functools
 import logging
 import sys
 
+from obcache_vllm.vllm_ext import seams
 from obcache_vllm.vllm_ext.frontend import admission
-from obcache_vllm.vllm_ext.patching import patch_method
 from obcache_vllm.vllm_ext.seams import (  # noqa: F401  (re-exported: tests, adapters)
     API_SERVER_MODULE,
     ATTRIBUTES,
@@ -109,19 +108,19 @@ def _wrap_get_scheduler_cls(original):
 
 
 
+SERVER_ROWS = tuple(r for r in seams.REGISTRY if r.process == "server")
+
+
 def install_api_server() -> None:
-    """The patches of the process serving the OpenAI API (idempotent); see the module docstring.
+    """The rows of the process serving the OpenAI API (idempotent); see the module docstring.
 
     Raises:
         obcache_vllm.config.ConfigError: the server-wide kv_* defaults are invalid.
     """
-    from vllm.v1.engine import async_llm
+    from obcache_vllm.vllm_ext.frontend.server import server_policy
 
-    from obcache_vllm.vllm_ext.frontend.server import install_server
-    from obcache_vllm.vllm_ext.frontend.stats import stat_logger_factories
-
-    install_server()
-    patch_method(async_llm, "load_stat_logger_plugin_factories", stat_logger_factories)
+    server_policy()  # loads and validates the server defaults before anything is patched
+    seams.apply(serving=True, backend="any", rows=SERVER_ROWS)
 
 
 def _share_vllm_logging() -> None:
@@ -142,32 +141,23 @@ def _share_vllm_logging() -> None:
 
 
 def install() -> bool:
-    """Check compatibility, then apply every patch (idempotent, process-local).
+    """Check compatibility, then apply every row of the seam registry (idempotent,
+    process-local).
 
-    Returns whether this process serves the OpenAI API (and got the server patches): decided
+    Returns whether this process serves the OpenAI API (and got the server rows): decided
     before anything is imported, so EngineCore and worker processes neither import nor patch
     the server's modules.
     """
     serving = API_SERVER_MODULE in sys.modules
     _share_vllm_logging()
-    check_compatibility(include_server=serving)
-    from obcache_vllm.vllm_ext.wire import install_scheduler_stats_field
+    from obcache_vllm.vllm_ext.worker.backends import platform_backend, platform_refusal
 
-    install_scheduler_stats_field()
-    from obcache_vllm.vllm_ext.engine.pool_check import install_relaxed_pool_check
-
-    install_relaxed_pool_check()
+    backend = platform_backend()
+    check_compatibility(include_server=serving, backend=backend)
     if serving:
         install_api_server()
-    from vllm.config.scheduler import SchedulerConfig
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    patch_method(SchedulerConfig, "get_scheduler_cls", _wrap_get_scheduler_cls)
-    patch_method(InputProcessor, "process_inputs", _wrap_process_inputs)
-    from obcache_vllm.vllm_ext.worker.backends import install_platform_backend, platform_refusal
-
+    seams.apply(serving=False, backend=backend)
     admission.bind(platform=platform_refusal(), scheduler=scheduler_refusal)
-    install_platform_backend()
     from obcache_vllm.eviction import faults
 
     if faults.enabled():  # test-only (OBCACHE_VLLM_FAULTS=1): see fault_hooks.py

@@ -1,298 +1,426 @@
-"""The vLLM internals obcache-vllm relies on, pinned: versions, signatures, attributes, state.
+"""The registry of every vLLM internal obcache-vllm relies on, and the one place that patches.
 
-:func:`check_compatibility` runs at start in every process (from :func:`~obcache_vllm.
-vllm_ext.install.install`); a mismatch raises :class:`IncompatibleVllmError` and vLLM refuses to
-start, rather than silently compacting KV through a changed interface. The tables list every
-internal the adapters read, write or patch, with the parameters our code passes or overrides.
+:data:`REGISTRY` has one :class:`Seam` row per private vLLM name the adapters read, call,
+subclass or replace: where it is, its leading parameters, how we touch it (:data:`HOWS`), in
+which process and for which attention backend, and what we install. Everything reads these rows:
+
+* :func:`check_compatibility` at start in every process (from :func:`~obcache_vllm.vllm_ext.
+  install.install`): a mismatch raises :class:`IncompatibleVllmError` and vLLM refuses to
+  start, rather than silently compacting KV through a changed interface;
+* :func:`apply` installs the ``wrap``/``replace``/``backend``/``field`` rows, and :func:`bind`
+  the ``instance`` rows on the objects vLLM builds. No other module patches vLLM
+  (``tests/unit/test_seam_registry.py`` fails on one that does);
+* ``make compat`` (:mod:`.compat`) checks the same rows statically against another release;
+* ``scripts/gen_reference.py`` writes the docs' seam table from them.
+
+Importing this module imports no vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+from dataclasses import dataclass
+from typing import Any
 
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 
-# (module, qualname, parameter names that our code passes or overrides)
-SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("vllm.config.scheduler", "SchedulerConfig.get_scheduler_cls", ("self",)),
-    (
-        "vllm.v1.core.sched.scheduler",
-        "Scheduler.__init__",
-        (
-            "self",
-            "vllm_config",
-            "kv_cache_config",
-            "structured_output_manager",
-            "block_size",
-            "hash_block_size",
-            "mm_registry",
-            "include_finished_set",
-            "log_stats",
-        ),
-    ),
-    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self", "throttle_prefills")),
-    (
-        "vllm.v1.core.sched.scheduler",
-        "Scheduler.update_from_output",
-        ("self", "scheduler_output", "model_runner_output"),
-    ),
-    ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ("self", "request")),
-    # Not patched, but OBCacheScheduler._cut_chunk_at undoes exactly what it advances.
-    (
-        "vllm.v1.core.sched.scheduler",
-        "Scheduler._update_after_schedule",
-        ("self", "scheduler_output"),
-    ),
-    (
-        "vllm.v1.core.sched.scheduler",
-        "Scheduler._preempt_request",
-        ("self", "request", "timestamp", "drop_stale_output"),
-    ),
-    (
-        "vllm.v1.core.sched.scheduler",
-        "Scheduler._free_request",
-        ("self", "request", "delay_free_blocks"),
-    ),
-    (
-        "vllm.v1.core.single_type_kv_cache_manager",
-        "SingleTypeKVCacheManager._remove_blocks_in_range",
-        ("self", "request_id", "first_block", "last_block"),
-    ),
-    (
-        "vllm.v1.core.kv_cache_coordinator",
-        "KVCacheCoordinator.cache_blocks",
-        ("self", "request", "num_computed_tokens"),
-    ),
-    ("vllm.v1.core.block_pool", "BlockPool.is_block_writable", ("self", "block")),
-    # The prefix cache (engine/prefix.py, engine/blocks.py): the one lookup of a new or
-    # resumed request, trimming a hit, building one, vLLM's copy-on-write of hit blocks
-    # (drained into SchedulerOutput.kv_cache_block_copies, run by the worker before the
-    # forward pass), entry tags and their events, registering preserved stock blocks.
-    ("vllm.v1.core.sched.scheduler", "Scheduler._get_local_prefix_cache_hit", ("self", "request")),
-    ("vllm.v1.core.sched.scheduler", "Scheduler.finish_requests",
-     ("self", "request_ids", "finished_status")),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.truncate_computed_blocks",
-     ("self", "blocks", "num_computed_tokens")),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.create_kv_cache_blocks", ("self", "blocks")),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.reset_prefix_cache", ("self",)),
-    # A step's copies are drained here (chains resolved: engine/blocks.py) and run by the
-    # worker as one gather then one scatter, which is why a chain would read stale KV.
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.take_kv_cache_block_copies", ("self",)),
-    ("vllm.v1.worker.utils", "copy_kv_cache_blocks_inplace",
-     ("kv_caches", "num_blocks", "kv_cache_block_copies")),
-    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager._apply_cow",
-     ("self", "request_id", "block_idx", "source_block", "cow_block")),
-    ("vllm.v1.core.block_pool", "BlockPool._insert_block_hash",
-     ("self", "block_hash_with_group_id", "block", "num_tokens")),
-    ("vllm.v1.core.block_pool", "BlockPool.cache_full_blocks",
-     ("self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size",
-      "kv_cache_group_id")),
-    ("vllm.v1.core.block_pool", "BlockPool.touch", ("self", "blocks")),
-    ("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks")),
-    ("vllm.v1.core.block_pool", "BlockPool.free_blocks", ("self", "ordered_blocks")),
-    ("vllm.v1.core.block_pool", "BlockPool.evict_blocks", ("self", "block_ids")),
-    ("vllm.v1.core.block_pool", "BlockPool._emit_block_removed_events", ("self", "block_hashes")),
-    ("vllm.v1.core.kv_cache_utils", "make_block_hash_with_group_id", ("block_hash", "group_id")),
-    # kv_prefill_evict: admission by bounded peak (scheduler.py), pools smaller than the
-    # context (capacity.py).
-    (
-        "vllm.v1.core.kv_cache_manager",
-        "KVCacheManager.allocate_slots",
-        ("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
-         "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
-         "num_encoder_tokens", "full_sequence_must_fit"),
-    ),
-    (
-        "vllm.v1.engine.core",
-        "get_kv_cache_configs",
-        ("vllm_config", "kv_cache_specs", "available_memory"),
-    ),
-    (
-        "vllm.v1.core.kv_cache_utils",
-        "_check_enough_kv_cache_memory",
-        ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
-    ),
-    (
-        "vllm.v1.worker.gpu_model_runner",
-        "GPUModelRunner.execute_model",
-        ("self", "scheduler_output", "intermediate_tensors"),
-    ),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
+# How obcache-vllm touches a seam (Seam.how). The first five are applied by install() or bind()
+# and only there; the rest are checked, not changed.
+HOWS = {
+    "wrap": "replaced on its class or module by `install(original)`, once (install)",
+    "instance": "replaced on the one instance vLLM builds, by `bind()` (at run time)",
+    "replace": "a module global replaced by the object `install` (install)",
+    "backend": "vLLM's backend of that name replaced by the class `install` (install, through "
+    "vLLM's `register_backend`)",
+    "field": "`attrs` added to the dataclass, default None (install)",
+    "override": "overridden in the subclass `install`",
+    "call": "called or read as it is",
+    "attribute": "a class or attribute read or written",
+    "state": "instance attributes `attrs` read or written (dataclass or msgspec fields, or "
+    "assignments in `__init__`)",
+    "absent": "must not exist: the adapter relies on its absence",
+}
+APPLIED = ("wrap", "replace", "backend", "field")  # by install(), in table order
+# Which process a seam belongs to (Seam.process). Only "server" rows are process-specific when
+# installing: the others are checked and applied in every vLLM process (each process uses its
+# own part).
+PROCESSES = ("every", "frontend", "server", "engine", "worker")
+BACKENDS = ("any", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One private vLLM name obcache-vllm reads, calls, subclasses or patches.
+
+    ``module`` and ``qualname`` locate it (in vLLM 0.32.0; :data:`VERSIONED_SEAMS` says where a
+    later release moved it). ``params``: for a callable, the leading parameter names our code
+    passes or overrides (checked against ``inspect.signature``); None for a class, attribute or
+    state. ``how``: one of :data:`HOWS`. ``process`` and ``backend``: where it is used (one of
+    :data:`PROCESSES`, :data:`BACKENDS`). ``install``: ``"module:attr"`` of what is installed
+    (the wrapper factory, the replacing object, our subclass) or a backend's class path.
+    ``attrs``: the attribute names of a ``state`` or ``field`` row. ``why``: one line for the
+    docs' seam table.
+    """
+
+    module: str
+    qualname: str
+    params: tuple[str, ...] | None = None
+    how: str = "call"
+    process: str = "engine"
+    backend: str = "any"
+    install: str = ""
+    attrs: tuple[str, ...] = ()
+    why: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+_SCHED = "vllm.v1.core.sched.scheduler"
+_OURS_SCHED = "obcache_vllm.vllm_ext.engine.scheduler:OBCacheScheduler"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_OURS_RUNNER = "obcache_vllm.vllm_ext.worker.backends.cpu:OBCacheCPUModelRunner"
+_KVM = "vllm.v1.core.kv_cache_manager"
+_POOL = "vllm.v1.core.block_pool"
+_STM = "vllm.v1.core.single_type_kv_cache_manager"
+_SERVER = "obcache_vllm.vllm_ext.frontend.server"
+_FA = "vllm.v1.attention.backends.flash_attn"
+_OURS_FA = "obcache_vllm.vllm_ext.worker.backends.flash_attn"
+S = Seam
+
+# Every private vLLM name obcache-vllm relies on. install() applies the APPLIED rows,
+# check_compatibility() checks every row at start-up, `make compat` reads them statically from
+# another release, and scripts/gen_reference.py writes the docs' seam table from them.
+REGISTRY: tuple[Seam, ...] = (
+    # -- every process ---------------------------------------------------------------------
+    S("vllm.v1.metrics.stats", "SchedulerStats", how="field", process="every", attrs=("obcache",),
+      why="the engine's eviction counters ride to the front end; msgspec drops unknown "
+      "attributes, so a real field (wire.py)"),
+    S("vllm.config.scheduler", "SchedulerConfig.get_scheduler_cls", ("self",), how="wrap",
+      process="every", install="obcache_vllm.vllm_ext.install:_wrap_get_scheduler_cls",
+      why="vLLM's synchronous Scheduler becomes OBCacheScheduler"),
+    # -- the front end (API server or offline LLM): admission ----------------------------------
+    S("vllm.v1.engine.input_processor", "InputProcessor.process_inputs",
+      ("self", "request_id", "prompt", "params"), how="wrap", process="frontend",
+      install="obcache_vllm.vllm_ext.install:_wrap_process_inputs",
+      why="the last step of admission: the options leave in their wire form, or a 400"),
+    S("vllm.utils", "length_from_prompt_token_ids_or_embeds", ("prompt_token_ids", "prompt_embeds"),
+      process="frontend", why="the prompt length of token-id and prompt-embeds requests alike"),
+    S("vllm.v1.engine", "EngineCoreRequest", how="state", process="frontend",
+      attrs=("prompt_token_ids", "prompt_embeds", "sampling_params"),
+      why="what admission reads of a request"),
+    S("vllm.config.parallel", "ParallelConfig", how="state", process="frontend",
+      attrs=("tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
+             "prefill_context_parallel_size"),
+      why="what budgeted requests are refused with"),
+    S("vllm.config.scheduler", "SchedulerConfig", how="state", process="frontend",
+      attrs=("async_scheduling", "scheduler_cls"), why="refusals"),
+    S("vllm.config.cache", "CacheConfig", how="state", process="frontend",
+      attrs=("cache_dtype", "kv_sharing_fast_prefill", "enable_prefix_caching"), why="refusals"),
+    S("vllm.config.model", "ModelConfig", how="state", process="frontend",
+      attrs=("max_model_len", "hf_text_config", "use_mla", "is_hybrid", "is_attention_free"),
+      why="refusals, the context length"),
+    S("vllm.outputs", "RequestOutput", how="attribute", process="frontend",
+      why="the outcome of a budgeted request reaches the client on it"),
+    S("vllm.v1.engine", "EngineCoreOutput.kv_transfer_params", how="attribute", process="every",
+      why='carries {"obcache": outcome} from EngineCore to the front end'),
+    # -- the API server only --------------------------------------------------------------------
+    S("vllm.entrypoints.openai.chat_completion.protocol",
+      "ChatCompletionRequest.to_sampling_params", ("self", "max_tokens",
+                                                   "default_sampling_params"),
+      how="wrap", process="server",
+      install=f"{_SERVER}:_wrap_to_sampling_params",
+      why="kv_* fields (body, vllm_xargs) and the server defaults into extra_args, or a 400"),
+    S("vllm.entrypoints.openai.completion.protocol", "CompletionRequest.to_sampling_params",
+      ("self", "max_tokens", "default_sampling_params"), how="wrap", process="server",
+      install=f"{_SERVER}:_wrap_to_sampling_params", why="as for chat"),
+    S("vllm.entrypoints.openai.chat_completion.protocol",
+      "ChatCompletionRequest.to_beam_search_params", ("self", "max_tokens",
+                                                      "default_sampling_params"),
+      how="wrap", process="server", install=f"{_SERVER}:_wrap_to_beam_search_params",
+      why="kv_* fields with beam search: a 400"),
+    S("vllm.entrypoints.openai.completion.protocol", "CompletionRequest.to_beam_search_params",
+      ("self", "max_tokens", "default_sampling_params"), how="wrap", process="server",
+      install=f"{_SERVER}:_wrap_to_beam_search_params", why="as for chat"),
+    S("vllm.entrypoints.serve.engine.serving", "BaseServing._log_inputs",
+      ("self", "request_id", "inputs", "params", "lora_request"), how="wrap", process="server",
+      install=f"{_SERVER}:_wrap_log_inputs",
+      why="the rendered prompt is known here: the policy's default budget, the prompt's length"),
+    S("vllm.entrypoints.serve.engine.serving", "BaseServing._extract_prompt_components",
+      ("self", "prompt"), process="server",
+      why="the rendered prompt's token ids or embeddings"),
+    S("vllm.entrypoints.openai.chat_completion.serving",
+      "OpenAIServingChat.chat_completion_full_generator", ("self", "request", "result_generator"),
+      how="wrap", process="server", install=f"{_SERVER}:_wrap_full_generator",
+      why="usage.obcache on a chat response"),
+    S("vllm.entrypoints.openai.chat_completion.serving",
+      "OpenAIServingChat.chat_completion_stream_generator", ("self", "request",
+                                                             "result_generator"),
+      how="wrap", process="server", install=f"{_SERVER}:_wrap_chat_stream_generator",
+      why="usage.obcache on a streamed chat's usage chunk"),
+    S("vllm.entrypoints.openai.completion.serving",
+      "OpenAIServingCompletion.completion_stream_generator",
+      ("self", "request", "engine_inputs", "result_generator"), how="wrap", process="server",
+      install=f"{_SERVER}:_wrap_completion_stream_generator",
+      why="usage.obcache on a streamed completion's usage chunk"),
+    S("vllm.entrypoints.openai.completion.serving",
+      "OpenAIServingCompletion.request_output_to_completion_response",
+      ("self", "final_res_batch"), how="wrap", process="server",
+      install=f"{_SERVER}:_wrap_completion_response", why="usage.obcache on a completion"),
+    S("vllm.entrypoints.launchers.app", "register_api_routers",
+      ("args", "app", "supported_tasks", "model_config"), how="wrap", process="server",
+      install=f"{_SERVER}:_wrap_register_api_routers", why="GET /v1/obcache/config"),
+    S("vllm.v1.engine.async_llm", "load_stat_logger_plugin_factories", (), how="wrap",
+      process="server", install="obcache_vllm.vllm_ext.frontend.stats:stat_logger_factories",
+      why="the obcache Prometheus logger, once, where its entry point is not installed"),
+    S("vllm.entrypoints.serve.engine.protocol", "UsageInfo", how="attribute", process="server",
+      why="usage.obcache is an extra field of it"),
+    S("vllm.entrypoints.generate.base.serving", "GenerateBaseServing", how="state",
+      process="server", attrs=("engine_client",), why="the generate handlers' engine client"),
+    S("vllm.v1.engine.async_llm", "AsyncLLM", how="state", process="server",
+      attrs=("vllm_config",), why="its config"),
+    S("vllm.v1.metrics.loggers", "PrometheusStatLogger.__init__",
+      ("self", "vllm_config", "engine_indexes"), how="override", process="frontend",
+      install="obcache_vllm.vllm_ext.frontend.stats:OBCachePrometheusStatLogger",
+      why="vLLM's Prometheus logger plus the obcache metrics"),
+    S("vllm.v1.metrics.loggers", "PrometheusStatLogger.record",
+      ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
+      how="override", process="frontend",
+      install="obcache_vllm.vllm_ext.frontend.stats:OBCachePrometheusStatLogger",
+      why="the engine's counters into the obcache metrics"),
+    # -- EngineCore: the scheduler ---------------------------------------------------------------
+    S(_SCHED, "Scheduler.__init__", ("self", "vllm_config", "kv_cache_config",
+                                     "structured_output_manager", "block_size", "hash_block_size",
+                                     "mm_registry", "include_finished_set", "log_stats"),
+      how="override", install=_OURS_SCHED, why="the block ledger and the adapters below"),
+    S(_SCHED, "Scheduler.schedule", ("self", "throttle_prefills"), how="override",
+      install=_OURS_SCHED, why="eviction orders ride on the step's SchedulerOutput"),
+    S(_SCHED, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"),
+      how="override", install=_OURS_SCHED, why="the worker's report: blocks freed, outcomes"),
+    S(_SCHED, "Scheduler.add_request", ("self", "request"), how="override", install=_OURS_SCHED,
+      why="a budgeted request opens its ledger"),
+    S(_SCHED, "Scheduler._update_after_schedule", ("self", "scheduler_output"),
+      why="not patched: OBCacheScheduler._cut_chunk_at undoes exactly what it advances"),
+    S(_SCHED, "Scheduler._preempt_request", ("self", "request", "timestamp", "drop_stale_output"),
+      how="override", install=_OURS_SCHED, why="a compressed request preempted: counted, logged"),
+    S(_SCHED, "Scheduler._free_request", ("self", "request", "delay_free_blocks"),
+      how="override", install=_OURS_SCHED, why="the ledger closed, the outcome reported"),
+    S(_SCHED, "Scheduler._get_local_prefix_cache_hit", ("self", "request"), how="override",
+      install=_OURS_SCHED, why="the one prefix lookup of a new or resumed request"),
+    S(_SCHED, "Scheduler.finish_requests", ("self", "request_ids", "finished_status"),
+      how="override", install=_OURS_SCHED, why="aborts release what the request held"),
+    S(_SCHED, "Scheduler.make_stats", ("self", "spec_decoding_stats", "kv_connector_stats",
+                                       "cudagraph_stats", "perf_stats", "ec_connector_stats"),
+      how="override", install=_OURS_SCHED, why="the eviction counters into SchedulerStats"),
+    S("vllm.v1.request", "Request", how="state",
+      attrs=("num_computed_tokens", "num_in_flight_tokens", "is_prefill_chunk",
+             "num_prompt_tokens", "block_hashes", "cache_salt", "lora_request",
+             "skip_reading_prefix_cache", "mm_features"),
+      why="what the scheduler side reads of a request"),
+    S("vllm.v1.core.sched.output", "SchedulerOutput", how="state", process="every",
+      attrs=("num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_new_reqs",
+             "scheduled_cached_reqs", "kv_cache_block_copies"),
+      why="the step; eviction orders ride on it (pickled: instance attributes survive)"),
+    # -- EngineCore: blocks (engine/blocks.py, engine/prefix.py) ------------------------------
+    S("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.cache_blocks",
+      ("self", "request", "num_computed_tokens"), how="instance",
+      install="obcache_vllm.vllm_ext.engine.blocks:PoolAdapter.cache_blocks",
+      why="a budgeted request registers only stock KV below its write floor"),
+    S(_KVM, "KVCacheManager.allocate_slots",
+      ("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+       "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
+       "num_encoder_tokens", "full_sequence_must_fit"),
+      how="instance", install="obcache_vllm.vllm_ext.engine.blocks:PoolAdapter.allocate_slots",
+      why="admission by bounded peak; copy-on-write of a hit; held entries give way"),
+    S(_KVM, "KVCacheManager.take_kv_cache_block_copies", ("self",), how="instance",
+      install="obcache_vllm.vllm_ext.engine.blocks:PoolAdapter.take_kv_cache_block_copies",
+      why="a step's copies run as one gather then one scatter: chains resolved"),
+    S(_KVM, "KVCacheManager.reset_prefix_cache", ("self",), how="instance",
+      install="obcache_vllm.vllm_ext.engine.prefix:PrefixAdapter",
+      why="held entries released first (vLLM resets only a pool no one holds)"),
+    S(_POOL, "BlockPool._emit_block_removed_events", ("self", "block_hashes"), how="instance",
+      install="obcache_vllm.vllm_ext.engine.prefix:_filter_entry_events",
+      why="the removal of an entry tag is never published (nothing published its storing)"),
+    S(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range",
+      ("self", "request_id", "first_block", "last_block"),
+      why="dead head blocks back to the pool, null blocks in place"),
+    S(_STM, "SingleTypeKVCacheManager._apply_cow",
+      ("self", "request_id", "block_idx", "source_block", "cow_block"),
+      why="copy-on-write of a prefix hit's blocks the compaction will write"),
+    S(_STM, "SingleTypeKVCacheManager", how="state",
+      attrs=("req_to_blocks", "_pending_cow_copies", "new_block_ids", "block_size",
+             "num_cached_block"), why="a request's blocks"),
+    S(_POOL, "BlockPool.is_block_writable", ("self", "block"),
+      why="a block that receives kept tokens must be the request's alone and unhashed"),
+    S(_POOL, "BlockPool._insert_block_hash",
+      ("self", "block_hash_with_group_id", "block", "num_tokens"),
+      why="entry tags on the blocks of a compressed entry"),
+    S(_POOL, "BlockPool.cache_full_blocks",
+      ("self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size",
+       "kv_cache_group_id"), why="preserved stock blocks registered"),
+    S(_POOL, "BlockPool.touch", ("self", "blocks"), why="an entry's blocks taken by an adopter"),
+    S(_POOL, "BlockPool.get_new_blocks", ("self", "num_blocks"), why="copies' blocks"),
+    S(_POOL, "BlockPool.free_blocks", ("self", "ordered_blocks"), why="entries released"),
+    S(_POOL, "BlockPool.evict_blocks", ("self", "block_ids"), why="entry tags dropped"),
+    S(_POOL, "BlockPool", how="state",
+      attrs=("blocks", "null_block", "hash_block_size", "cached_block_hash_to_block"),
+      why="the pool's blocks and hashes"),
+    S("vllm.v1.core.kv_cache_utils", "make_block_hash_with_group_id", ("block_hash", "group_id"),
+      why="entry tags are block hashes of their own kind"),
+    S(_KVM, "KVCacheManager.truncate_computed_blocks", ("self", "blocks", "num_computed_tokens"),
+      why="a budgeted request's hit trimmed"),
+    S(_KVM, "KVCacheManager.create_kv_cache_blocks", ("self", "blocks"), why="a hit built"),
+    S(_KVM, "KVCacheManager", how="state",
+      attrs=("enable_caching", "block_pool", "empty_kv_cache_blocks"), why="the manager"),
+    S("vllm.v1.worker.utils", "copy_kv_cache_blocks_inplace",
+      ("kv_caches", "num_blocks", "kv_cache_block_copies"), process="worker",
+      why="not patched: it runs copies as blocks[dst] = blocks[src], which is why chains "
+      "are resolved"),
+    # -- EngineCore: start-up (engine/pool_check.py) -------------------------------------------
+    S("vllm.v1.engine.core", "get_kv_cache_configs",
+      ("vllm_config", "kv_cache_specs", "available_memory"), how="wrap",
+      install="obcache_vllm.vllm_ext.engine.pool_check:_wrap_get_kv_cache_configs",
+      why="the smallest context kv_prefill_evict can serve is known while the pool is sized"),
+    S("vllm.v1.core.kv_cache_utils", "_check_enough_kv_cache_memory",
+      ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+      how="wrap", install="obcache_vllm.vllm_ext.engine.pool_check:_wrap_check_enough",
+      why="a pool smaller than max_model_len is served (kv_prefill_evict; others get a 400)"),
+    # -- workers: the model runner -----------------------------------------------------------
+    S("vllm.v1.worker.cpu_worker", "CPUModelRunner", how="replace", process="worker",
+      backend="cpu", install=_OURS_RUNNER,
+      why="the CPU worker builds its runner by this module-global name"),
+    S("vllm.v1.attention.backends.registry", "AttentionBackendEnum.CPU_ATTN", how="backend",
+      process="worker", backend="cpu",
+      install="obcache_vllm.vllm_ext.worker.backends.cpu.OBCacheCPUBackend",
+      why="CPU attention with eviction, under vLLM's name"),
+    S("vllm.v1.attention.backends.registry", "register_backend", ("backend", "class_path"),
+      process="worker", why="how a backend row is installed"),
+    S("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.__init__",
+      ("self", "vllm_config", "device"), how="override", process="worker", backend="cpu",
+      install=_OURS_RUNNER, why="the runner's eviction state (EvictingRunnerMixin)"),
+    S(_RUNNER, "GPUModelRunner.execute_model", ("self", "scheduler_output", "intermediate_tensors"),
+      how="override", process="worker", install=_OURS_RUNNER,
+      why="the step's eviction plan before the forward pass"),
+    S(_RUNNER, "GPUModelRunner.sample_tokens", ("self", "grammar_output"), how="override",
+      process="worker", install=_OURS_RUNNER, why="the step's report after it"),
+    S(_RUNNER, "GPUModelRunner._build_attention_metadata",
+      ("self", "num_tokens", "num_reqs", "max_query_len", "num_tokens_padded", "num_reqs_padded",
+       "ubatch_slices", "logits_indices", "max_num_sampled_tokens", "use_spec_decode",
+       "for_cudagraph_capture", "num_scheduled_tokens", "slot_mappings"),
+      how="override", process="worker", install=_OURS_RUNNER,
+      why="the plan reaches the attention builders"),
     # Seeded sampling under chunked prefill with CPU generators (seeded.py): vLLM rewinds the
     # generator of a discarded row with Philox-only set_offset(get_offset() - 4) in
-    # _bookkeeping_sync (vllm-project/vllm#10097: "relies on cuda-specific torch-internal impl
-    # details"); a CPU (mt19937) generator raises "CPU Generator does not use offset" and the
-    # engine dies. We snapshot/restore those generators around _sample and hide them from the
-    # rewind. Same bug elsewhere: RBLN-SW/vllm-rbln#1025, qualcomm/vllm-qaic#92.
-    (
-        "vllm.v1.worker.gpu_model_runner",
-        "GPUModelRunner._sample",
-        ("self", "logits", "spec_decode_metadata"),
-    ),
-    (
-        "vllm.v1.worker.gpu_model_runner",
-        "GPUModelRunner._bookkeeping_sync",
-        (
-            "self",
-            "scheduler_output",
-            "sampler_output",
-            "logits",
-            "hidden_states",
-            "num_scheduled_tokens",
-        ),
-    ),
-    (
-        "vllm.v1.worker.gpu_model_runner",
-        "GPUModelRunner._build_attention_metadata",
-        (
-            "self",
-            "num_tokens",
-            "num_reqs",
-            "max_query_len",
-            "num_tokens_padded",
-            "num_reqs_padded",
-            "ubatch_slices",
-            "logits_indices",
-            "max_num_sampled_tokens",
-            "use_spec_decode",
-            "for_cudagraph_capture",
-            "num_scheduled_tokens",
-            "slot_mappings",
-        ),
-    ),
-    (
-        "vllm.v1.attention.backends.cpu_attn",
-        "CPUAttentionMetadataBuilder.build",
-        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-    ),
-    (
-        "vllm.v1.attention.backends.cpu_attn",
-        "CPUAttentionBackendImpl.forward",
-        (
-            "self",
-            "layer",
-            "query",
-            "key",
-            "value",
-            "kv_cache",
-            "attn_metadata",
-            "output",
-            "output_scale",
-            "output_block_scale",
-        ),
-    ),
-    (
-        "vllm._custom_ops",
-        "cpu_attn_reshape_and_cache",
-        (
-            "key",
-            "value",
-            "key_cache",
-            "value_cache",
-            "slot_mapping",
-            "isa",
-            "k_scale",
-            "v_scale",
-            "kv_cache_dtype",
-        ),
-    ),
-    (
-        "vllm.v1.engine.input_processor",
-        "InputProcessor.process_inputs",
-        ("self", "request_id", "prompt", "params"),
-    ),
-    ("vllm.v1.attention.backends.registry", "register_backend", ("backend", "class_path")),
-    # frontend/admission.py: the prompt length of token-id and prompt-embeds requests alike.
-    (
-        "vllm.utils",
-        "length_from_prompt_token_ids_or_embeds",
-        ("prompt_token_ids", "prompt_embeds"),
-    ),
-    # server.py: the rendered prompt's token ids / embeddings in the generate handlers.
-    (
-        "vllm.entrypoints.serve.engine.serving",
-        "BaseServing._extract_prompt_components",
-        ("self", "prompt"),
-    ),
-    # Teacher forcing (forcing.py): a v1 batch-level logits processor, applied by the sampler
-    # AFTER the raw logprobs are computed (Sampler.forward), so forced tokens keep model logprobs.
-    (
-        "vllm.v1.sample.logits_processor",
-        "LogitsProcessor.__init__",
-        ("self", "vllm_config", "device", "is_pin_memory"),
-    ),
-    ("vllm.v1.sample.logits_processor", "LogitsProcessor.update_state", ("self", "batch_update")),
-    ("vllm.v1.sample.logits_processor", "LogitsProcessor.apply", ("self", "logits")),
-    (
-        "vllm.v1.sample.sampler",
-        "Sampler.forward",
-        ("self", "logits", "sampling_metadata", "predict_bonus_token", "logprobs_mode_override"),
-    ),
-    (
-        "vllm.v1.core.sched.scheduler",
-        "Scheduler.make_stats",
-        (
-            "self",
-            "spec_decoding_stats",
-            "kv_connector_stats",
-            "cudagraph_stats",
-            "perf_stats",
-            "ec_connector_stats",
-        ),
-    ),
-    (
-        "vllm.v1.metrics.loggers",
-        "PrometheusStatLogger.__init__",
-        ("self", "vllm_config", "engine_indexes"),
-    ),
-    (
-        "vllm.v1.metrics.loggers",
-        "PrometheusStatLogger.record",
-        ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
-    ),
-    ("vllm.v1.engine.async_llm", "load_stat_logger_plugin_factories", ()),
-    (
-        "vllm.entrypoints.openai.chat_completion.protocol",
-        "ChatCompletionRequest.to_sampling_params",
-        ("self", "max_tokens", "default_sampling_params"),
-    ),
-    (
-        "vllm.entrypoints.openai.completion.protocol",
-        "CompletionRequest.to_sampling_params",
-        ("self", "max_tokens", "default_sampling_params"),
-    ),
-    (
-        "vllm.entrypoints.serve.engine.serving",
-        "BaseServing._log_inputs",
-        ("self", "request_id", "inputs", "params", "lora_request"),
-    ),
-    (
-        "vllm.entrypoints.openai.chat_completion.serving",
-        "OpenAIServingChat.chat_completion_full_generator",
-        ("self", "request", "result_generator"),
-    ),
-    (
-        "vllm.entrypoints.openai.chat_completion.serving",
-        "OpenAIServingChat.chat_completion_stream_generator",
-        ("self", "request", "result_generator"),
-    ),
-    (
-        "vllm.entrypoints.openai.completion.serving",
-        "OpenAIServingCompletion.completion_stream_generator",
-        ("self", "request", "engine_inputs", "result_generator"),
-    ),
-    (
-        "vllm.entrypoints.openai.completion.serving",
-        "OpenAIServingCompletion.request_output_to_completion_response",
-        ("self", "final_res_batch"),
-    ),
-    (
-        "vllm.entrypoints.launchers.app",
-        "register_api_routers",
-        ("args", "app", "supported_tasks", "model_config"),
-    ),
+    # _bookkeeping_sync (vllm-project/vllm#10097); a CPU (mt19937) generator raises "CPU
+    # Generator does not use offset" and the engine dies. We snapshot/restore those generators
+    # around _sample and hide them from the rewind. Same bug: RBLN-SW/vllm-rbln#1025,
+    # qualcomm/vllm-qaic#92.
+    S(_RUNNER, "GPUModelRunner._sample", ("self", "logits", "spec_decode_metadata"),
+      how="override", process="worker", backend="cpu", install=_OURS_RUNNER,
+      why="CPU generators of discarded rows snapshotted"),
+    S(_RUNNER, "GPUModelRunner._bookkeeping_sync",
+      ("self", "scheduler_output", "sampler_output", "logits", "hidden_states",
+       "num_scheduled_tokens"), how="override", process="worker", backend="cpu",
+      install=_OURS_RUNNER, why="and hidden from vLLM's Philox-only rewind"),
+    S(_RUNNER, "GPUModelRunner", how="state", process="worker",
+      attrs=("input_batch", "discard_request_mask"), why="the rows whose sampled token is dropped"),
+    S("vllm.v1.worker.gpu_input_batch", "InputBatch", how="state", process="worker",
+      attrs=("generators", "num_reqs"), why="their per-request generators"),
+    S("vllm.v1.worker.gpu_input_batch", "CachedRequestState", how="state", process="worker",
+      attrs=("block_ids", "num_computed_tokens"),
+      why="the KV oracle: each request's blocks and computed tokens"),
+    S("vllm.v1.outputs", "ModelRunnerOutput", how="attribute", process="every",
+      why="the worker's report rides on it (pickled)"),
+    # -- workers: CPU attention (worker/backends/cpu.py) ---------------------------------------
+    S("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadataBuilder.build",
+      ("self", "common_prefix_len", "common_attn_metadata", "fast_build"), how="override",
+      process="worker", backend="cpu",
+      install="obcache_vllm.vllm_ext.worker.backends.cpu:OBCacheMetadataBuilder",
+      why="block tables shifted past dead head blocks"),
+    S("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward",
+      ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
+       "output_scale", "output_block_scale"), how="override", process="worker", backend="cpu",
+      install="obcache_vllm.vllm_ext.worker.backends.cpu:OBCacheCPUImpl",
+      why="score and compact each layer after its attention"),
+    S("vllm._custom_ops", "cpu_attn_reshape_and_cache",
+      ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa", "k_scale", "v_scale",
+       "kv_cache_dtype"), process="worker", backend="cpu",
+      why="probes the paged layout at start"),
+    # -- workers: FlashAttention on CUDA (worker/backends/flash_attn.py) -----------------------
+    S(_RUNNER, "GPUModelRunner.__init__", ("self", "vllm_config", "device"), how="override",
+      process="worker", backend="cuda", install=f"{_OURS_FA}:OBCacheGPUModelRunner",
+      why="the runner's eviction state; refuses cascade attention"),
+    S("vllm.v1.worker.gpu_worker", "Worker._make_model_runner", ("self",), how="wrap",
+      process="worker", backend="cuda", install=f"{_OURS_FA}:_wrap_make_model_runner",
+      why="the V1 runner with eviction (the V2 runner: budgets refused)"),
+    S("vllm.v1.attention.backends.registry", "AttentionBackendEnum.FLASH_ATTN", how="backend",
+      process="worker", backend="cuda", install=f"{_OURS_FA}.OBCacheFlashAttnBackend",
+      why="FlashAttention with eviction, under vLLM's name"),
+    S(_FA, "FlashAttentionMetadataBuilder.build",
+      ("self", "common_prefix_len", "common_attn_metadata", "fast_build"), how="override",
+      process="worker", backend="cuda", install=f"{_OURS_FA}:OBCacheFlashAttnMetadataBuilder",
+      why="block tables shifted in place"),
+    S(_FA, "FlashAttentionImpl.forward",
+      ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
+      how="override", process="worker", backend="cuda", install=f"{_OURS_FA}:OBCacheFlashAttnImpl",
+      why="score and compact each layer after its attention"),
+    S("vllm.v1.worker.block_table", "BlockTable.get_device_tensor", ("self", "num_reqs"),
+      process="worker", backend="cuda", why="the builder's table is a slice of this buffer"),
+    S(_FA, "FlashAttentionMetadataBuilder.use_cascade_attention", how="absent", process="worker",
+      backend="cuda", why="cascade attention would read a common prefix past the shifted tables"),
+    # -- the evidence tooling: teacher forcing (evidence/forcing.py) ---------------------------
+    # A v1 batch-level logits processor, applied by the sampler AFTER the raw logprobs are
+    # computed (Sampler.forward), so forced tokens keep the model's logprobs.
+    S("vllm.v1.sample.logits_processor", "LogitsProcessor.__init__",
+      ("self", "vllm_config", "device", "is_pin_memory"), how="override", process="worker",
+      install="obcache_vllm.evidence.forcing:ForceTokensProcessor",
+      why="forced continuations (perplexity, fidelity)"),
+    S("vllm.v1.sample.logits_processor", "LogitsProcessor.update_state",
+      ("self", "batch_update"), how="override", process="worker",
+      install="obcache_vllm.evidence.forcing:ForceTokensProcessor", why="rows tracked"),
+    S("vllm.v1.sample.logits_processor", "LogitsProcessor.apply", ("self", "logits"),
+      how="override", process="worker",
+      install="obcache_vllm.evidence.forcing:ForceTokensProcessor", why="the forced token"),
+    S("vllm.v1.sample.logits_processor", "LogitsProcessor.is_argmax_invariant", ("self",),
+      how="override", process="worker",
+      install="obcache_vllm.evidence.forcing:ForceTokensProcessor",
+      why="it decides the argmax: runs before greedy sampling"),
+    S("vllm.v1.sample.logits_processor", "LogitsProcessor.validate_params", ("sampling_params",),
+      how="override", process="frontend",
+      install="obcache_vllm.evidence.forcing:ForceTokensProcessor",
+      why="a malformed forced continuation is refused at admission"),
+    S("vllm.v1.sample.sampler", "Sampler.forward",
+      ("self", "logits", "sampling_metadata", "predict_bonus_token", "logprobs_mode_override"),
+      process="worker", why="raw logprobs are computed before logits processors apply"),
+    S("vllm.v1.sample.logits_processor", "BatchUpdate", how="attribute", process="worker",
+      why="the batch's added, removed and moved rows"),
+    S("vllm.v1.sample.logits_processor", "MoveDirectionality", how="attribute", process="worker",
+      why="a moved row's direction"),
 )
+del S
+
+
+def _view(rows, how=None, callables=None, backend=None):
+    return tuple(r for r in rows
+                 if (how is None or r.how in how)
+                 and (callables is None or (r.params is not None) == callables)
+                 and (backend is None or r.backend in backend))  # fmt: skip
+
+
+# The registry's rows as the static checker (compat.py) and older callers read them.
+SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = tuple(
+    (r.module, r.qualname, r.params) for r in _view(REGISTRY, callables=True,
+                                                    backend=("any", "cpu")))
+CUDA_SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = tuple(
+    (r.module, r.qualname, r.params) for r in _view(REGISTRY, callables=True, backend=("cuda",)))
+ATTRIBUTES: tuple[tuple[str, str], ...] = tuple(dict.fromkeys(
+    (r.module, r.qualname) for r in _view(REGISTRY, how=("attribute", "replace", "field",
+                                                           "backend"))))
+STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = tuple(
+    (r.module, r.qualname, r.attrs) for r in _view(REGISTRY, how=("state",)))
 
 # Where a later vLLM moved or extended a seam: version -> {(module, qualname): new row}.
 # Read statically from the 0.33.0 wheel (make compat VLLM=0.33.0, results/compat/); the
@@ -320,6 +448,17 @@ def seams_for(version: str) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
     return tuple(moved.get((mod, name), (mod, name, params)) for mod, name, params in SEAMS)
 
 
+def rows_for(version: str, rows: tuple[Seam, ...] = REGISTRY) -> tuple[Seam, ...]:
+    """The registry's rows as they stand in vLLM ``version`` (moved rows replaced)."""
+    moved = VERSIONED_SEAMS.get(version, {})
+    out = []
+    for row in rows:
+        new = moved.get((row.module, row.qualname))
+        out.append(row if new is None else dataclasses.replace(
+            row, module=new[0], qualname=new[1], params=new[2]))
+    return tuple(out)
+
+
 def module_of(module: str, qualname: str, version: str | None = None) -> str:
     """The module that holds ``module.qualname`` in the installed (or the given) vLLM."""
     if version is None:
@@ -328,86 +467,6 @@ def module_of(module: str, qualname: str, version: str | None = None) -> str:
         version = vllm.__version__
     return VERSIONED_SEAMS.get(version, {}).get((module, qualname), (module,))[0]
 
-
-# Attributes (not callables) we read or write.
-ATTRIBUTES: tuple[tuple[str, str], ...] = (
-    ("vllm.v1.worker.cpu_worker", "CPUModelRunner"),
-    ("vllm.v1.core.sched.output", "SchedulerOutput"),
-    ("vllm.v1.outputs", "ModelRunnerOutput"),
-    ("vllm.v1.sample.logits_processor", "BatchUpdate"),
-    ("vllm.v1.sample.logits_processor", "MoveDirectionality"),
-    ("vllm.v1.engine", "EngineCoreOutput.kv_transfer_params"),
-    ("vllm.outputs", "RequestOutput"),
-    ("vllm.v1.metrics.stats", "SchedulerStats"),
-    ("vllm.entrypoints.serve.engine.protocol", "UsageInfo"),
-)
-
-
-# Instance state we read or write, as (module, class, attribute names): dataclass fields, or
-# attributes assigned in ``__init__`` (checked in its source).
-STATE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    # seeded.py: the rows whose sampled token is dropped, and their per-request generators.
-    (
-        "vllm.v1.worker.gpu_model_runner",
-        "GPUModelRunner",
-        ("input_batch", "discard_request_mask"),
-    ),
-    ("vllm.v1.worker.gpu_input_batch", "InputBatch", ("generators", "num_reqs")),
-    # frontend/admission.py: what budgeted requests are refused with (read in the front end).
-    (
-        "vllm.config.parallel",
-        "ParallelConfig",
-        (
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "decode_context_parallel_size",
-            "prefill_context_parallel_size",
-        ),
-    ),
-    ("vllm.config.scheduler", "SchedulerConfig", ("async_scheduling", "scheduler_cls")),
-    ("vllm.config.cache", "CacheConfig",
-     ("cache_dtype", "kv_sharing_fast_prefill", "enable_prefix_caching")),
-    (
-        "vllm.config.model",
-        "ModelConfig",
-        ("max_model_len", "hf_text_config", "use_mla", "is_hybrid", "is_attention_free"),
-    ),
-    (
-        "vllm.v1.engine",
-        "EngineCoreRequest",
-        ("prompt_token_ids", "prompt_embeds", "sampling_params"),
-    ),
-    # server.py: the generate handlers' engine client and its config.
-    ("vllm.entrypoints.generate.base.serving", "GenerateBaseServing", ("engine_client",)),
-    ("vllm.v1.engine.async_llm", "AsyncLLM", ("vllm_config",)),
-    (
-        "vllm.v1.core.sched.output",
-        "SchedulerOutput",
-        ("num_scheduled_tokens", "total_num_scheduled_tokens"),
-    ),
-    (
-        "vllm.v1.request",
-        "Request",
-        ("num_computed_tokens", "num_in_flight_tokens", "is_prefill_chunk", "num_prompt_tokens",
-         "block_hashes", "cache_salt", "lora_request", "skip_reading_prefix_cache",
-         "mm_features"),
-    ),
-    (
-        "vllm.v1.core.single_type_kv_cache_manager",
-        "SingleTypeKVCacheManager",
-        ("req_to_blocks", "_pending_cow_copies", "new_block_ids", "block_size",
-         "num_cached_block"),
-    ),
-    ("vllm.v1.core.block_pool", "BlockPool", ("blocks", "null_block", "hash_block_size",
-                                               "cached_block_hash_to_block")),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", ("enable_caching", "block_pool",
-                                                         "empty_kv_cache_blocks")),
-    ("vllm.v1.core.sched.output", "SchedulerOutput", ("scheduled_new_reqs",
-                                                      "scheduled_cached_reqs",
-                                                      "kv_cache_block_copies")),
-    # The KV oracle (worker/runner.py): each request's block list and computed tokens.
-    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState", ("block_ids", "num_computed_tokens")),
-)
 
 # The module whose presence means "this process serves vLLM's OpenAI API" (imported by the
 # `vllm serve` entry point before plugins load; never by EngineCore or worker processes).
@@ -450,11 +509,54 @@ def signature_problems(seams) -> list[str]:
     return problems
 
 
-def check_compatibility(include_server: bool = True) -> None:
-    """Raise :class:`IncompatibleVllmError` unless every seam is exactly as expected.
+def _state_problems(module: str, name: str, attrs: tuple[str, ...]) -> list[str]:
+    try:
+        cls = _resolve(module, name)
+    except (ImportError, AttributeError) as exc:
+        return [f"{module}.{name}: missing ({exc})"]
+    # dataclass fields, msgspec struct fields, or assignments in __init__'s source
+    fields = getattr(cls, "__dataclass_fields__", None) or getattr(cls, "__struct_fields__", None)
+    source = "" if fields is not None else inspect.getsource(cls.__init__)
+    problems = []
+    for attr in attrs:
+        if fields is not None and attr in fields:
+            continue
+        if f"self.{attr} =" in source or f"self.{attr}:" in source:
+            continue
+        if isinstance(getattr(cls, attr, None), property):
+            continue
+        problems.append(f"{module}.{name}.{attr}: missing")
+    return problems
 
-    ``include_server=False`` skips the API server's seams (:func:`is_server_module`) without
+
+def problems(rows) -> list[str]:
+    """One line per row of ``rows`` that does not hold in the installed vLLM."""
+    out = signature_problems([(r.module, r.qualname, r.params) for r in rows
+                              if r.params is not None and r.how != "absent"])  # fmt: skip
+    for row in rows:
+        if row.how == "state":
+            out += _state_problems(row.module, row.qualname, row.attrs)
+        elif row.how == "absent":
+            try:
+                _resolve(row.module, row.qualname)
+            except (ImportError, AttributeError):
+                continue
+            out.append(f"{row.module}.{row.qualname}: present, and obcache-vllm relies on its "
+                       f"absence ({row.why})")
+        elif row.params is None:
+            try:
+                _resolve(row.module, row.qualname)
+            except (ImportError, AttributeError) as exc:
+                out.append(f"{row.module}.{row.qualname}: missing ({exc})")
+    return out
+
+
+def check_compatibility(include_server: bool = True, backend: str = "cpu") -> None:
+    """Raise :class:`IncompatibleVllmError` unless every row for ``backend`` holds.
+
+    ``include_server=False`` skips the API server's rows (``process == "server"``) without
     importing their modules: the check of a process that does not serve the OpenAI API.
+    ``backend``: the platform's attention backend (its rows and the ``"any"`` rows).
     """
     import vllm
 
@@ -462,36 +564,94 @@ def check_compatibility(include_server: bool = True) -> None:
         raise IncompatibleVllmError(
             f"obcache-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}; found {vllm.__version__}"
         )
-    seams = [s for s in seams_for(vllm.__version__)
-             if include_server or not is_server_module(s[0])]  # fmt: skip
-    problems = signature_problems(seams)
-    for module, name in ATTRIBUTES:
-        if not include_server and is_server_module(module):
+    rows = [r for r in rows_for(vllm.__version__)
+            if r.backend in ("any", backend) and (include_server or r.process != "server")]
+    found = problems(rows)
+    if found:
+        raise IncompatibleVllmError("vLLM internals changed:\n  " + "\n  ".join(found))
+
+
+# -- installing ---------------------------------------------------------------------------------
+
+
+def load(path: str) -> Any:
+    """The object named ``"package.module:attr.attr"``."""
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def patch(owner, name: str, wrapper) -> None:
+    """Replace ``owner.name`` by ``wrapper(original)`` unless it is already our wrapper.
+
+    Wrappers set ``__obcache_wrapped__ = True`` on the function they return; plugins load once
+    per process but ``install`` may run again (tests, several engines), and a double wrap
+    would validate or count a request twice.
+    """
+    current = getattr(owner, name)
+    if getattr(current, "__obcache_wrapped__", False):
+        return
+    setattr(owner, name, wrapper(current))
+
+
+def _add_field(cls, name: str) -> None:
+    """Add ``name: Any = None`` to the dataclass ``cls`` after its creation (idempotent):
+    ``__dataclass_fields__`` (what msgspec encodes and decodes), ``__annotations__`` and a
+    class-level default (instances built without it read ``None``)."""
+    if name in cls.__dataclass_fields__:
+        return
+    field = dataclasses.field(default=None)
+    field.name = name
+    field.type = dict[str, Any] | None
+    field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+    cls.__dataclass_fields__[name] = field
+    cls.__annotations__[name] = dict[str, Any] | None
+    setattr(cls, name, None)
+
+
+def apply(serving: bool, backend: str, rows: tuple[Seam, ...] = REGISTRY) -> None:
+    """Install the :data:`APPLIED` rows of this process, in table order (idempotent).
+
+    ``serving``: this process serves the OpenAI API (its ``server`` rows are installed).
+    ``backend``: the platform's attention backend (its rows and the ``"any"`` rows).
+    """
+    import vllm
+
+    for row in rows_for(vllm.__version__, rows):
+        if row.how not in APPLIED or row.backend not in ("any", backend):
             continue
-        try:
-            _resolve(module, name)
-        except (ImportError, AttributeError) as exc:
-            problems.append(f"{module}.{name}: missing ({exc})")
-    for module, name, attrs in STATE:
-        if not include_server and is_server_module(module):
+        if row.process == "server" and not serving:
             continue
-        try:
-            cls = _resolve(module, name)
-        except (ImportError, AttributeError) as exc:
-            problems.append(f"{module}.{name}: missing ({exc})")
-            continue
-        # dataclass fields, msgspec struct fields, or assignments in __init__'s source
-        fields = getattr(cls, "__dataclass_fields__", None) or getattr(
-            cls, "__struct_fields__", None
-        )
-        source = "" if fields is not None else inspect.getsource(cls.__init__)
-        for attr in attrs:
-            if fields is not None and attr in fields:
-                continue
-            if f"self.{attr} =" in source or f"self.{attr}:" in source:
-                continue
-            if isinstance(getattr(cls, attr, None), property):
-                continue
-            problems.append(f"{module}.{name}.{attr}: missing")
-    if problems:
-        raise IncompatibleVllmError("vLLM internals changed:\n  " + "\n  ".join(problems))
+        *outer, name = row.qualname.split(".")
+        owner = _resolve(row.module, ".".join(outer)) if outer else importlib.import_module(
+            row.module)
+        if row.how == "wrap":
+            patch(owner, name, load(row.install))
+        elif row.how == "replace":
+            setattr(owner, name, load(row.install))
+        elif row.how == "field":
+            for attr in row.attrs:
+                _add_field(getattr(owner, name), attr)
+        else:  # backend: vLLM resolves the class path when it builds the backend
+            register = _resolve("vllm.v1.attention.backends.registry", "register_backend")
+            register(getattr(owner, name), row.install)
+
+
+_INSTANCE_ROWS = {r.qualname: r for r in REGISTRY if r.how == "instance"}
+
+
+def bind(instance, qualname: str, new) -> None:
+    """Replace the method ``qualname`` (an ``instance`` row) on the one ``instance`` vLLM built.
+
+    Used where vLLM builds the object inside a constructor we do not replace (the KV-cache
+    manager, its coordinator and block pool, built by ``Scheduler.__init__``): the class stays
+    vLLM's, and other instances are untouched.
+    """
+    row = _INSTANCE_ROWS.get(qualname)
+    if row is None:
+        raise ValueError(f"{qualname} is not an instance row of the seam registry")
+    if not any(c.__name__ == qualname.split(".")[0] for c in type(instance).__mro__):
+        raise TypeError(f"{qualname}: {type(instance).__name__} is not its class")
+    setattr(instance, qualname.rsplit(".", 1)[1], new)

@@ -21,13 +21,11 @@ attribute                                       what
 
 ``SchedulerOutput`` and ``ModelRunnerOutput`` are pickled between EngineCore and the worker,
 and pickling keeps instance attributes. ``SchedulerStats`` is encoded with msgspec, which
-drops unknown attributes: :func:`install_scheduler_stats_field` adds a real field.
+drops unknown attributes: the seam registry adds a real field (its ``field`` row on
+``SchedulerStats``, applied in every process by :func:`obcache_vllm.vllm_ext.seams.apply`).
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 # Extra attributes carrying the messages: on SchedulerOutput (orders, dict req_id -> order) and
 # on ModelRunnerOutput (report). Both objects are pickled between EngineCore and worker
@@ -44,24 +42,3 @@ VERIFY_ATTR = "obcache_verify"
 # front-end, and the SchedulerStats field carrying the eviction counters (see vllm_ext).
 OUTCOME_KEY = "obcache"
 STATS_ATTR = "obcache"
-
-
-def install_scheduler_stats_field() -> None:
-    """Add ``obcache: dict | None = None`` to vLLM's ``SchedulerStats`` (idempotent).
-
-    A dataclass field added after class creation: ``__dataclass_fields__`` (what msgspec
-    encodes and decodes), ``__annotations__`` and a class-level default (instances built
-    without it read ``None``). Must run before any ``SchedulerStats`` is encoded or decoded in
-    the process; the general plugin does it at load, in every process.
-    """
-    from vllm.v1.metrics.stats import SchedulerStats
-
-    if STATS_ATTR in SchedulerStats.__dataclass_fields__:
-        return
-    field = dataclasses.field(default=None)
-    field.name = STATS_ATTR
-    field.type = dict[str, Any] | None
-    field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
-    SchedulerStats.__dataclass_fields__[STATS_ATTR] = field
-    SchedulerStats.__annotations__[STATS_ATTR] = dict[str, Any] | None
-    setattr(SchedulerStats, STATS_ATTR, None)

@@ -31,11 +31,19 @@ def check_rendered_prompt(handler, inputs, fields):
     """The server's admission of one rendered prompt, for a request with these kv_* fields."""
     from types import SimpleNamespace
 
-    from obcache_vllm.options import ADMITTED_KEY, parse_request
+    from obcache_vllm.options import ADMITTED_KEY
 
-    request = parse_request(fields)
-    extra = {} if request is None else {ADMITTED_KEY: request}
+    requested = support.parse(fields)
+    extra = {} if requested is None else {ADMITTED_KEY: requested}
     admit_rendered_prompt(handler, inputs, SimpleNamespace(extra_args=extra, max_tokens=8))
+
+
+def admit_fields(vllm_config, fields, num_prompt_tokens):
+    """Stages 1 and 2 of admission on these kv_* fields: the resolved options, or None."""
+    requested = support.parse(fields)
+    admitted = None if requested is None else support.admit(vllm_config, requested,
+                                                             num_prompt_tokens)
+    return None if admitted is None else admitted.options
 
 
 def _copy(obj, **attrs):
@@ -122,11 +130,11 @@ def test_unsupported_configuration_refuses_budgets_only(llm, change, needle):
     reason = support.unsupported_reason(fake)
     assert reason is not None and needle in reason, reason
     with pytest.raises(KvOptionsError) as info:
-        support.admit_fields(fake, BUDGET, 500)
+        admit_fields(fake, BUDGET, 500)
     assert info.value.field == "kv_budget" and str(info.value) == f"kv_budget: {reason}"
     # Without a budget the request is a stock one: never refused.
-    assert support.admit_fields(fake, None, 500) is None
-    assert support.admit_fields(fake, {"vllm_other": 1}, 500) is None
+    assert admit_fields(fake, None, 500) is None
+    assert admit_fields(fake, {"vllm_other": 1}, 500) is None
 
 
 @pytest.mark.parametrize(
@@ -146,25 +154,25 @@ def test_our_scheduler_and_its_subclasses_are_accepted(llm, scheduler_cls):
         config, scheduler_config=_copy(config.scheduler_config, scheduler_cls=scheduler_cls)
     )
     assert support.unsupported_reason(fake) is None
-    assert support.admit_fields(fake, BUDGET, 500).budget == 64
+    assert admit_fields(fake, BUDGET, 500).budget == 64
 
 
 def test_both_rankings_are_admitted_under_tensor_parallelism(llm):
     """Run in vLLM's TP=3 engine: tests/engine/test_tensor_parallel_engine.py."""
     config = llm.llm_engine.vllm_config
     tp2 = _copy(config, parallel_config=_copy(config.parallel_config, tensor_parallel_size=2))
-    assert not support.admit_fields(tp2, {**BUDGET, "kv_per_head": False}, 500).per_head
-    assert support.admit_fields(tp2, {**BUDGET, "kv_per_head": True}, 500).per_head
-    assert support.admit_fields(tp2, BUDGET, 500).per_head  # the built-in default: per head
+    assert not admit_fields(tp2, {**BUDGET, "kv_per_head": False}, 500).per_head
+    assert admit_fields(tp2, {**BUDGET, "kv_per_head": True}, 500).per_head
+    assert admit_fields(tp2, BUDGET, 500).per_head  # the built-in default: per head
 
 
 def test_window_beyond_the_context_is_refused(llm):
     config = llm.llm_engine.vllm_config
     context = config.model_config.max_model_len
     with pytest.raises(KvOptionsError) as info:
-        support.admit_fields(config, {**BUDGET, "kv_window": context + 1}, 500)
+        admit_fields(config, {**BUDGET, "kv_window": context + 1}, 500)
     assert info.value.field == "kv_window" and str(context) in str(info.value)
-    assert support.admit_fields(config, {**BUDGET, "kv_window": context}, 500).window == context
+    assert admit_fields(config, {**BUDGET, "kv_window": context}, 500).window == context
 
 
 def test_prompt_embeds_requests_are_refused_at_both_front_end_checks(llm):

@@ -57,7 +57,7 @@ def test_vllm_xargs_values_are_checked_on_their_own():
     with pytest.raises(KvOptionsError) as info:
         server.parse_fields(xargs, None)
     assert info.value.field == "kv_budget"
-    assert server.parse_fields({"kv_budget": 64, "other": 2**64}, None).budget == 64
+    assert server.parse_fields({"kv_budget": 64, "other": 2**64}, None).request.budget == 64
 
 
 @pytest.mark.parametrize(

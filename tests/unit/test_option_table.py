@@ -62,7 +62,7 @@ def test_the_docs_table_is_the_option_rows(monkeypatch) -> None:
 def test_the_modules_types_are_the_tables() -> None:
     names = [spec.name for spec in options.OPTIONS]
     request_fields = [f.name for f in dataclasses.fields(options.KvRequest)]
-    assert request_fields == [*names, "policy_min_prompt_tokens"]
+    assert request_fields == names  # the client's options only (the policy rides beside)
     resolved_fields = [f.name for f in dataclasses.fields(options.KvOptions)]
     assert resolved_fields == [*names, "requested_budget", "tentative"]
     assert options.WIRE_FIELDS == tuple(spec.field for spec in options.OPTIONS)

@@ -273,10 +273,12 @@ def test_a_policy_budget_below_its_threshold_leaves_the_request_stock() -> None:
                           min_prompt_tokens=1000)  # fmt: skip
     try:
         policy_request = server.parse_fields(None, {})
-        assert policy_request.policy_min_prompt_tokens == 1000
+        assert policy_request.waived_below == 1000  # beside the client's options, not on them
+        assert policy_request.request.budget == 0.25
+        assert policy_request.request.when == "pressure"
         assert admission.admit(None, policy_request, 999) is None  # stock: below the threshold
         own = server.parse_fields(None, {"kv_budget": 64})
-        assert own.policy_min_prompt_tokens is None  # the request's own budget is never waived
+        assert own.waived_below is None  # the request's own budget is never waived
         assert server.parse_fields(None, {"kv_budget": None}) is None  # the opt-out
     finally:
         server.reset_defaults()

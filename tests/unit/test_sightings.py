@@ -104,19 +104,19 @@ def test_auto_is_refused_where_a_compress_point_is() -> None:
 def test_the_policy_budget_compresses_at_the_shared_prefix_and_a_clients_own_does_not() -> None:
     server.reset_defaults({**config.BUILTIN_DEFAULTS, "kv_budget": 0.25})
     try:
-        assert server.parse_fields(None, {}).compress_at == options.AUTO
+        assert server.parse_fields(None, {}).request.compress_at == options.AUTO
         # the client's own budget, point or opt-out are its own
-        assert server.parse_fields(None, {"kv_budget": 0.25}).compress_at is None
-        assert server.parse_fields(None, {"kv_compress_at": 500}).compress_at == 500
+        assert server.parse_fields(None, {"kv_budget": 0.25}).request.compress_at is None
+        assert server.parse_fields(None, {"kv_compress_at": 500}).request.compress_at == 500
         assert server.parse_fields(None, {"kv_budget": None}) is None
         # options that allow no compress point keep the whole prompt
-        assert server.parse_fields(None, {"kv_when": "pressure"}).compress_at is None
-        assert server.parse_fields(None, {"kv_prefill_evict": True}).compress_at is None
+        assert server.parse_fields(None, {"kv_when": "pressure"}).request.compress_at is None
+        assert server.parse_fields(None, {"kv_prefill_evict": True}).request.compress_at is None
     finally:
         server.reset_defaults()
     server.reset_defaults({**config.BUILTIN_DEFAULTS, "kv_budget": 0.25}, compress_at=None)
     try:
-        assert server.parse_fields(None, {}).compress_at is None
+        assert server.parse_fields(None, {}).request.compress_at is None
     finally:
         server.reset_defaults()
 

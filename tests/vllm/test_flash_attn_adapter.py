@@ -21,6 +21,7 @@ import torch
 from obcache_vllm.eviction.step import RequestKvState, RowPlan, StepPlan
 from obcache_vllm.evidence.kernel_checks.paged import read_slots
 from obcache_vllm.options import parse_kv_options
+from obcache_vllm.vllm_ext import seams
 from obcache_vllm.vllm_ext.worker.backends import flash_attn as fa
 from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
     LAYOUT_ORDERS,
@@ -232,14 +233,15 @@ def test_platform_dispatch_of_refusals(monkeypatch):
 
 @pytest.fixture
 def cuda_install(monkeypatch):
-    """install_cuda() on this CPU process, undone afterwards."""
+    """The registry's cuda rows applied on this CPU process, undone afterwards."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.worker import gpu_worker
 
     original = gpu_worker.Worker._make_model_runner
     monkeypatch.setattr(gpu_worker.Worker, "_make_model_runner", original)  # restored after
-    fa.install_cuda()
-    fa.install_cuda()  # idempotent
+    cuda_rows = tuple(r for r in seams.REGISTRY if r.backend == "cuda")
+    seams.apply(serving=False, backend="cuda", rows=cuda_rows)
+    seams.apply(serving=False, backend="cuda", rows=cuda_rows)  # idempotent
     yield gpu_worker.Worker, original
     AttentionBackendEnum.FLASH_ATTN.clear_override()
 
@@ -284,11 +286,12 @@ def test_cuda_seams_are_pinned_and_fail_loudly(monkeypatch):
 
     from obcache_vllm.vllm_ext.install import IncompatibleVllmError
 
-    fa.check_cuda_seams()
+    seams.check_compatibility(backend="cuda")
     monkeypatch.setattr(FlashAttentionMetadataBuilder, "use_cascade_attention", lambda: True,
                         raising=False)  # fmt: skip
     with pytest.raises(IncompatibleVllmError, match="cascade"):
-        fa.check_cuda_seams()
+        seams.check_compatibility(backend="cuda")
+    seams.check_compatibility(backend="cpu")  # the CPU backend does not rely on its absence
     monkeypatch.setattr(FlashAttentionMetadataBuilder, "build", lambda self, prefix, cm: None)
     with pytest.raises(IncompatibleVllmError, match="build"):
-        fa.check_cuda_seams()
+        seams.check_compatibility(backend="cuda")

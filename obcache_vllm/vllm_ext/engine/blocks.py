@@ -28,8 +28,9 @@ each decided by the request's :class:`~obcache_vllm.eviction.ledger.RequestBlock
   :meth:`PoolAdapter.take_kv_cache_block_copies` rewrites such chains to read the first
   source (``KVCacheManager.take_kv_cache_block_copies``).
 
-vLLM builds its ``KVCacheManager`` inside ``Scheduler.__init__``, so the two wrappers are
-installed on that instance (each a pinned seam in :mod:`obcache_vllm.vllm_ext.seams`).
+vLLM builds its ``KVCacheManager`` inside ``Scheduler.__init__``, so the wrappers are bound to
+that instance (each an ``instance`` row of :data:`obcache_vllm.vllm_ext.seams.REGISTRY`,
+installed by :func:`~obcache_vllm.vllm_ext.seams.bind`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 from obcache_vllm.eviction.copies import resolve_copy_chains
 from obcache_vllm.eviction.ledger import BlockLedger
 from obcache_vllm.eviction.messages import EvictionOrder
+from obcache_vllm.vllm_ext import seams
 
 
 class BlockNotWritableError(RuntimeError):
@@ -69,9 +71,10 @@ class PoolAdapter:
         self._cache_blocks = coordinator.cache_blocks
         self._allocate_slots = kv_cache_manager.allocate_slots
         self._take_copies = kv_cache_manager.take_kv_cache_block_copies
-        coordinator.cache_blocks = self.cache_blocks
-        kv_cache_manager.allocate_slots = self.allocate_slots
-        kv_cache_manager.take_kv_cache_block_copies = self.take_kv_cache_block_copies
+        seams.bind(coordinator, "KVCacheCoordinator.cache_blocks", self.cache_blocks)
+        seams.bind(kv_cache_manager, "KVCacheManager.allocate_slots", self.allocate_slots)
+        seams.bind(kv_cache_manager, "KVCacheManager.take_kv_cache_block_copies",
+                   self.take_kv_cache_block_copies)  # fmt: skip
 
     def new_step(self) -> None:
         """A schedule() begins: blocks registered before it hold their KV (synchronous

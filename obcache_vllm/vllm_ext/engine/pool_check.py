@@ -5,7 +5,10 @@ tokens. With ``kv_prefill_evict`` a budgeted request holds at most its bounded p
 pool must only hold one full prefill chunk (``max_num_batched_tokens``) plus two blocks (the
 smallest bounded peak); a smaller pool is refused exactly as stock vLLM refuses it. Requests
 that can never fit get a 400 at admission (:mod:`obcache_vllm.vllm_ext.frontend.capacity`).
-Runs in the EngineCore process, where the pool is sized.
+Runs in the EngineCore process, where the pool is sized. The two wrappers below are rows of
+the seam registry (:data:`obcache_vllm.vllm_ext.seams.REGISTRY`); vLLM 0.33 moved
+``_check_enough_kv_cache_memory`` to ``vllm.v1.core.kv_cache_planning``, which the registry's
+versioned rows follow.
 """
 
 from __future__ import annotations
@@ -13,8 +16,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-
-from obcache_vllm.vllm_ext.patching import patch_method
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +70,3 @@ def _wrap_check_enough(original):
 
     check_enough_kv_cache_memory.__obcache_wrapped__ = True
     return check_enough_kv_cache_memory
-
-
-def install_relaxed_pool_check() -> None:
-    """Patch vLLM's start-up pool check (EngineCore process; idempotent). vLLM 0.33 moved the
-    check to ``vllm.v1.core.kv_cache_planning`` (:func:`~obcache_vllm.vllm_ext.seams.
-    module_of`)."""
-    import importlib
-
-    from vllm.v1.engine import core
-
-    from obcache_vllm.vllm_ext.seams import module_of
-
-    name = "_check_enough_kv_cache_memory"
-    owner = importlib.import_module(module_of("vllm.v1.core.kv_cache_utils", name))
-    patch_method(core, "get_kv_cache_configs", _wrap_get_kv_cache_configs)
-    patch_method(owner, name, _wrap_check_enough)

@@ -46,7 +46,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from obcache_vllm.config import entry_pool_share, entry_pool_share_max
 from obcache_vllm.eviction.entries import Entry, EntryIndex, EntryKey, HeldEntries, is_tag, tag
 from obcache_vllm.eviction.ledger import CacheStart, RequestBlocks
-from obcache_vllm.vllm_ext.patching import patch_method
+from obcache_vllm.vllm_ext import seams
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class PrefixAdapter:
                     index.entries.clear()  # vLLM removed every hash, tags included
                 return done
 
-            manager.reset_prefix_cache = reset_prefix_cache
+            seams.bind(manager, "KVCacheManager.reset_prefix_cache", reset_prefix_cache)
 
     def count(self, kind: str, what: str, amount: int = 1) -> None:
         self.counts[(kind, what)] = self.counts.get((kind, what), 0) + amount
@@ -464,13 +464,10 @@ class PrefixAdapter:
 
 def _filter_entry_events(pool) -> None:
     """Never publish the removal of an entry tag (nothing published its storing)."""
+    original = pool._emit_block_removed_events
 
-    def wrap(original):
-        @functools.wraps(original)
-        def _emit_block_removed_events(block_hashes):
-            return original([h for h in block_hashes if not is_tag(h)])
+    @functools.wraps(original)
+    def _emit_block_removed_events(block_hashes):
+        return original([h for h in block_hashes if not is_tag(h)])
 
-        _emit_block_removed_events.__obcache_wrapped__ = True
-        return _emit_block_removed_events
-
-    patch_method(pool, "_emit_block_removed_events", wrap)
+    seams.bind(pool, "BlockPool._emit_block_removed_events", _emit_block_removed_events)

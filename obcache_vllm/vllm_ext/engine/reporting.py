@@ -7,8 +7,8 @@ Read by the API server (see :mod:`obcache_vllm.vllm_ext.frontend.server` and ``.
   OUTCOME_KEY`). That field passes from EngineCore to the front end's ``RequestOutput``
   untouched; budgeted requests are refused when a KV connector is configured, so it has no
   other user for them.
-* ``make_stats`` adds ``SchedulerStats.obcache`` (a field the plugin injects, see
-  :func:`obcache_vllm.vllm_ext.wire.install_scheduler_stats_field`): cumulative counters per
+* ``make_stats`` adds ``SchedulerStats.obcache`` (a field the plugin adds: the seam
+  registry's ``field`` row, see :mod:`obcache_vllm.vllm_ext.wire`): cumulative counters per
   (scorer, pipeline) and per fault, plus the eviction timings and finished requests since the
   last stats.
 """

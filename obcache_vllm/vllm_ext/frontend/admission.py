@@ -2,12 +2,22 @@
 
 Where each step runs (API-server process; the offline ``LLM``'s own process)::
 
-  HTTP body ─ to_sampling_params (server.py) ─ parse_request ─▶ KvRequest in extra_args["obcache"]
-                                  │  (kv_* fields + server defaults; the one parse)
-  rendered prompt ─ _log_inputs (server.py) ─ admit(KvRequest, prompt) ─▶ Admitted
+  HTTP body ─ to_sampling_params (server.py) ─ parse(fields, policy) ─▶ Requested
+                                  │  (kv_* fields over the server policy; the one parse)
+  rendered prompt ─ _log_inputs (server.py) ─ admit(Requested, prompt) ─▶ Admitted
                                   │  (resolve, refusals, capacity: a 400 before a stream starts)
-  InputProcessor.process_inputs ─ admit_engine_request ─▶ the wire tuple in extra_args["obcache"]
-      (offline LLM: raw kv_* extra_args are parsed and admitted here, in one step)
+  InputProcessor.process_inputs ─ admit_engine_request ─▶ the wire tuple (KvOptions.to_wire)
+      (offline LLM, engine API: raw kv_* extra_args and kv_hints are parsed and admitted
+      here, in one step)
+
+One type per stage, all in ``extra_args["obcache"]`` while the request is in the front end:
+:class:`Requested`, :class:`Admitted`, then the wire tuple EngineCore decodes. Each process
+has one entry point: the API server's three wrappers call the three stages in order (each
+stage is the next one's only input), and every request of every front end leaves through
+:func:`admit_engine_request`, which runs the stages that have not run. The server policy is
+passed to :func:`parse`, never stamped on the client's request. This module imports neither
+the server nor the stat logger (an import-linter contract): the stat logger hands it its
+rejection counter (:func:`count_rejections_with`).
                                   │
   EngineCore (scheduler) and worker: KvOptions.from_wire, never re-validated; a request with
   kv_* fields but no (or a broken) wire form is a counted fault there, never silently stock.
@@ -80,8 +90,22 @@ def bind(*, platform: Refusal, scheduler: Refusal) -> None:
 
 
 @dataclass(frozen=True)
+class Requested:
+    """Stage 1: a request's kv_* options parsed (:func:`parse`), the prompt not known yet.
+
+    Lives in ``extra_args["obcache"]`` between the server's ``to_sampling_params`` and its prompt
+    check. ``waived_below``: where the budget is the server policy's (the client asked for
+    none), the prompt length under which the policy does not apply and the request is served
+    as stock vLLM; None for the client's own budget, which is never waived.
+    """
+
+    request: KvRequest
+    waived_below: int | None = None
+
+
+@dataclass(frozen=True)
 class Admitted:
-    """A request's options after :func:`admit`: resolved, not refused, fitting the pool.
+    """Stage 2: a request's options after :func:`admit`: resolved, not refused, fitting the pool.
 
     Lives in ``extra_args["obcache"]`` between the server's prompt check and the input
     processor, which replaces it by the wire tuple (only :func:`admit` makes one, so a client
@@ -94,14 +118,24 @@ class Admitted:
     request: KvRequest | None = None
 
 
+# Counts a refusal by field: set by the live Prometheus logger (frontend/stats.py), which
+# imports this module; None without one (the offline LLM).
+_count_rejection: Callable[[str], None] | None = None
+
+
+def count_rejections_with(count: Callable[[str], None] | None) -> None:
+    """Where :func:`rejected` counts refusals (the stat logger's counter, by field)."""
+    global _count_rejection
+    _count_rejection = count
+
+
 def rejected(exc: KvOptionsError):
     """The one conversion of a refusal into vLLM's ``VLLMValidationError`` (HTTP 400), counted
     in ``vllm:obcache_rejected_requests_total`` by field."""
     from vllm.exceptions import VLLMValidationError
 
-    from obcache_vllm.vllm_ext.frontend.stats import count_rejection
-
-    count_rejection(exc.field)
+    if _count_rejection is not None:
+        _count_rejection(exc.field)
     return VLLMValidationError(str(exc), parameter=exc.field, value=exc.shown_value)
 
 
@@ -149,6 +183,27 @@ def unsupported_reason(vllm_config) -> str | None:
     return _bound["scheduler"](vllm_config.scheduler_config)
 
 
+def parse(fields: Mapping[str, Any] | None, policy=None) -> Requested | None:
+    """Stage 1, the one parse of a request's kv_* ``fields`` (the client's, or an
+    orchestrator's ``kv_hints``): over the server ``policy``'s defaults where one is given
+    (:class:`obcache_vllm.config.Policy`; the offline ``LLM`` has none). None: no budget, a
+    stock request.
+
+    Raises:
+        KvOptionsError: an unknown ``kv_*`` key, or a value out of its domain.
+    """
+    fields = {k: v for k, v in (fields or {}).items() if is_kv_option(k)}
+    if policy is None:
+        request = parse_request(fields)
+        return None if request is None else Requested(request)
+    merged = policy.fields_for(fields)
+    from_policy = "kv_budget" not in fields and merged.get("kv_budget") is not None
+    request = parse_request(merged)
+    if request is None:
+        return None
+    return Requested(request, policy.min_prompt_tokens if from_policy else None)
+
+
 _sightings: dict[int, PrefixSightings] = {}  # block size -> this process's index
 
 
@@ -178,7 +233,7 @@ def choose_point(vllm_config, request: KvRequest, prompt_token_ids, seed):
 
 def admit(
     vllm_config,
-    request: KvRequest,
+    requested: Requested,
     num_prompt_tokens: int,
     *,
     prompt_embeds: bool = False,
@@ -186,7 +241,8 @@ def admit(
     prompt_token_ids=None,
     seed=None,
 ) -> Admitted | None:
-    """Resolve ``request`` on its prompt, refuse what this engine cannot serve, check it fits.
+    """Stage 2: resolve ``requested`` on its prompt, refuse what this engine cannot serve,
+    check it fits.
 
     ``prompt_embeds``: the prompt carries embeddings (all or some of its positions). ``None``:
     the budget was the server policy's and does not apply (a prompt below its threshold, or a
@@ -199,7 +255,7 @@ def admit(
         KvOptionsError: a bad option for this prompt, a refusal, or a request that can never
             fit the KV pool (see :mod:`.capacity`).
     """
-    threshold = request.policy_min_prompt_tokens
+    request, threshold = requested.request, requested.waived_below
     if threshold is not None and num_prompt_tokens < threshold:
         return None
     auto = (None, False) if prompt_embeds else choose_point(
@@ -275,15 +331,6 @@ def check_fits(vllm_config, num_prompt_tokens: int, max_tokens, options) -> None
         raise error
 
 
-def admit_fields(vllm_config, fields: Mapping[str, Any] | None, num_prompt_tokens: int, **kw):
-    """:func:`parse_request` then :func:`admit` (offline use, tests): the options or None."""
-    request = parse_request(fields)
-    if request is None:
-        return None
-    admitted = admit(vllm_config, request, num_prompt_tokens, **kw)
-    return None if admitted is None else admitted.options
-
-
 # The kv_hints action that carries kv_* options (vLLM's KvHintsEnvelope, v1/kv_hints/protocol.py):
 # an orchestrator that drives the engine API sets a request's budget or session with it.
 HINT_ACTION_TYPE = "obcache.kv_options"
@@ -328,10 +375,10 @@ def hinted_fields(kv_hints) -> dict[str, Any]:
 def admit_engine_request(vllm_config, engine_request) -> None:
     """The input processor's step: the request leaves the front end with its wire form.
 
-    * ``Admitted`` (the server admitted it on the rendered prompt): encoded as is, or joined
-      to the vLLM ``session_id`` the request carries (:func:`join_session`).
-    * ``KvRequest`` (parsed by the server, not admitted yet): admitted here.
-    * raw ``kv_*`` extra_args (offline ``LLM``): parsed and admitted here.
+    * :class:`Admitted` (the server admitted it on the rendered prompt): encoded as is, or
+      joined to the vLLM ``session_id`` the request carries (:func:`join_session`).
+    * :class:`Requested` (parsed by the server, not admitted yet): admitted here.
+    * raw ``kv_*`` extra_args (offline ``LLM``, the engine API): parsed and admitted here.
     * anything else under the reserved key: refused.
     * no options: a stock request; only the pool's size can refuse it.
 
@@ -366,18 +413,18 @@ def admit_engine_request(vllm_config, engine_request) -> None:
     try:
         if isinstance(value, Admitted):
             admitted = value
-        elif value is not None and not isinstance(value, KvRequest):
+        elif value is not None and not isinstance(value, Requested):
             raise KvOptionsError(ADMITTED_KEY, "is reserved for obcache-vllm's admission", value)
         else:
             own = {k: v for k, v in extra.items() if is_kv_option(k)}
-            request = value if value is not None else parse_request({**hints, **own})
-            if request is None:  # "kv_budget": null: a stock request, its fields dropped
+            requested = value if value is not None else parse({**hints, **own})
+            if requested is None:  # "kv_budget": null: a stock request, its fields dropped
                 kept = {k: v for k, v in extra.items() if not is_kv_option(k)}
                 params.extra_args = kept or None
                 return
             admitted = admit(
                 vllm_config,
-                request,
+                requested,
                 num_prompt,
                 prompt_embeds=embeds is not None,
                 max_tokens=params.max_tokens,

@@ -1,15 +1,18 @@
 """The OpenAI server side (API-server process): kv_* request fields, KV outcome in ``usage``.
 
-Installed by :func:`install_server` in the process that runs vLLM's OpenAI server (the plugin
-calls it where vLLM's app builder is loaded; ``obcache-vllm serve`` calls it explicitly).
-vLLM's own server and protocol stay in charge; the patches only:
+Installed in the process that runs vLLM's OpenAI server, where vLLM's app builder is loaded:
+the ``server`` rows of the seam registry (:data:`obcache_vllm.vllm_ext.seams.REGISTRY`) name
+the wrappers below, and :func:`obcache_vllm.vllm_ext.install.install_api_server` applies them
+after :func:`server_policy` has loaded and validated the server defaults. vLLM's own server
+and protocol stay in charge; the wrappers only:
 
 * ``ChatCompletionRequest.to_sampling_params`` / ``CompletionRequest.to_sampling_params``:
   collect the kv_* options from top-level request fields (kept by vLLM's pydantic models in
   ``model_extra``) and from ``vllm_xargs`` (top-level wins), over the server defaults
-  (:mod:`obcache_vllm.config`), and parse them: the request's one
-  :func:`~obcache_vllm.options.parse_request`. The parsed :class:`~obcache_vllm.options.
-  KvRequest` replaces the raw fields in ``SamplingParams.extra_args``. A request that sets no
+  (:mod:`obcache_vllm.config`), and parse them: admission's stage 1
+  (:func:`~obcache_vllm.vllm_ext.frontend.admission.parse`, the policy passed in). The
+  :class:`~obcache_vllm.vllm_ext.frontend.admission.Requested` replaces the raw fields in
+  ``SamplingParams.extra_args``. A request that sets no
   kv_* field (and meets no default budget) is left exactly as vLLM made it.
 * ``to_beam_search_params``: beam search builds its own sampling requests, so explicit kv_*
   fields with ``use_beam_search`` are a 400 (server defaults do not apply to it).
@@ -37,9 +40,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from obcache_vllm import config, options
-from obcache_vllm.options import ADMITTED_KEY, KvOptionsError, KvRequest, is_kv_option
+from obcache_vllm.options import ADMITTED_KEY, KvOptionsError, is_kv_option
 from obcache_vllm.vllm_ext.frontend import admission
-from obcache_vllm.vllm_ext.patching import patch_method
 from obcache_vllm.vllm_ext.wire import OUTCOME_KEY
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,8 @@ def requested_kv_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping
 
 
 def parse_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping[str, Any] | None):
-    """The request's :class:`KvRequest` (its fields over the server defaults), or None.
+    """Stage 1 of admission: the request's :class:`~.admission.Requested` (its fields over the
+    server policy), or None.
 
     Raises:
         KvOptionsError: a bad field, or the reserved key sent by the client.
@@ -105,11 +108,7 @@ def parse_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping[str, A
         raise KvOptionsError(
             "vllm_xargs", f"the key {ADMITTED_KEY!r} is reserved for obcache-vllm", ADMITTED_KEY
         )
-    requested = requested_kv_fields(vllm_xargs, top_level)
-    policy = server_policy()
-    merged = policy.fields_for(requested)
-    from_policy = "kv_budget" not in requested and merged.get("kv_budget") is not None
-    return options.parse_request(merged, policy.min_prompt_tokens if from_policy else None)
+    return admission.parse(requested_kv_fields(vllm_xargs, top_level), server_policy())
 
 
 def _wrap_to_sampling_params(original):
@@ -161,8 +160,8 @@ def admit_rendered_prompt(serving, inputs, params, lora_request=None) -> None:
     if vllm_config is None:  # not a generate handler of AsyncLLM: the input processor admits
         return
     extra = getattr(params, "extra_args", None)  # None for beam search and pooling
-    request = extra.get(ADMITTED_KEY) if extra else None
-    if isinstance(request, KvRequest):
+    requested = extra.get(ADMITTED_KEY) if extra else None
+    if isinstance(requested, admission.Requested):
         components = serving._extract_prompt_components(inputs)
         token_ids, embeds = components.token_ids, components.embeds
         if token_ids is not None:
@@ -172,7 +171,7 @@ def admit_rendered_prompt(serving, inputs, params, lora_request=None) -> None:
         salt = inputs.get("cache_salt") if isinstance(inputs, Mapping) else None
         admitted = admission.admit(
             vllm_config,
-            request,
+            requested,
             num_prompt,
             prompt_embeds=embeds is not None,
             max_tokens=params.max_tokens,
@@ -310,6 +309,11 @@ def _wrap_stream_generator(original, position: int):
     return stream_generator
 
 
+# The two stream generators, as the registry's wrapper factories.
+_wrap_chat_stream_generator = functools.partial(_wrap_stream_generator, position=1)
+_wrap_completion_stream_generator = functools.partial(_wrap_stream_generator, position=2)
+
+
 def _wrap_completion_response(original):
     """Wrap ``OpenAIServingCompletion.request_output_to_completion_response``."""
 
@@ -366,42 +370,3 @@ def _wrap_register_api_routers(original):
 
     register_api_routers.__obcache_wrapped__ = True
     return register_api_routers
-
-
-
-def install_server() -> None:
-    """Apply the API-server patches (idempotent). Loads and validates the server defaults.
-
-    Raises:
-        obcache_vllm.config.ConfigError: invalid kv_* defaults (the server does not start).
-    """
-    server_policy()
-    from vllm.entrypoints.launchers import app as app_module
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-    from vllm.entrypoints.serve.engine.serving import BaseServing
-
-    patch_method(BaseServing, "_log_inputs", _wrap_log_inputs)
-    patch_method(ChatCompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
-    patch_method(CompletionRequest, "to_sampling_params", _wrap_to_sampling_params)
-    patch_method(ChatCompletionRequest, "to_beam_search_params", _wrap_to_beam_search_params)
-    patch_method(CompletionRequest, "to_beam_search_params", _wrap_to_beam_search_params)
-    patch_method(OpenAIServingChat, "chat_completion_full_generator", _wrap_full_generator)
-    patch_method(
-        OpenAIServingChat,
-        "chat_completion_stream_generator",
-        lambda f: _wrap_stream_generator(f, 1),
-    )
-    patch_method(
-        OpenAIServingCompletion,
-        "completion_stream_generator",
-        lambda f: _wrap_stream_generator(f, 2),
-    )
-    patch_method(
-        OpenAIServingCompletion,
-        "request_output_to_completion_response",
-        _wrap_completion_response,
-    )
-    patch_method(app_module, "register_api_routers", _wrap_register_api_routers)

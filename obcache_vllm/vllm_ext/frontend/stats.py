@@ -3,7 +3,7 @@
 Path (every metric is defined in :mod:`obcache_vllm.metrics`):
 
 1. EngineCore: ``OBCacheScheduler.make_stats`` sets ``SchedulerStats.obcache``, a field that
-   :func:`install_scheduler_stats_field` adds to vLLM's ``SchedulerStats`` dataclass in every
+   the seam registry adds to vLLM's ``SchedulerStats`` dataclass (its ``field`` row) in every
    process (the plugin runs before the first stats are encoded or decoded), so msgspec carries it
    to the front-end with the rest of the stats.
 2. Front-end: :class:`OBCachePrometheusStatLogger` subclasses vLLM's ``PrometheusStatLogger``.
@@ -12,8 +12,10 @@ Path (every metric is defined in :mod:`obcache_vllm.metrics`):
    created after the stock constructor unregistered every ``vllm:`` collector. It is registered
    as the ``vllm.stat_logger_plugins`` entry point ``obcache``; :func:`stat_logger_factories`
    also adds it where that entry point is not installed (e.g. a source checkout).
-3. Rejections happen in the API server's input processing: :func:`count_rejection` increments
-   the counter of the live logger (a no-op without one, e.g. the offline ``LLM``).
+3. Rejections happen in admission, in the API server's input processing: the live logger hands
+   admission its counter (:func:`~obcache_vllm.vllm_ext.frontend.admission.
+   count_rejections_with`; without a logger, e.g. the offline ``LLM``, nothing counts), so
+   admission never imports this module.
 
 Counters are fed by deltas of EngineCore's cumulative totals, so a lost stats message loses no
 count; histograms by the drained per-step lists.
@@ -26,11 +28,11 @@ import logging
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 from obcache_vllm import metrics
+from obcache_vllm.vllm_ext.frontend import admission
 from obcache_vllm.vllm_ext.wire import STATS_ATTR
 
 logger = logging.getLogger(__name__)
 
-_live_rejections = None  # the rejected-requests Counter of the live logger, if any
 
 
 def _make(spec: metrics.MetricSpec):
@@ -51,7 +53,6 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
     """vLLM's Prometheus logger plus the obcache metrics (see the module docstring)."""
 
     def __init__(self, vllm_config, engine_indexes: list[int] | None = None) -> None:
-        global _live_rejections
         super().__init__(vllm_config, engine_indexes)
         made = {spec.name: _make(spec) for spec in metrics.METRICS}
         self.obcache_evicted = made[metrics.EVICTED_TOKENS.name]
@@ -76,7 +77,8 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         ]  # fmt: skip
         # The scheduler reports cumulative totals; the last one seen per (engine, metric, labels).
         self._obcache_seen: dict[tuple, int] = {}
-        _live_rejections = self.obcache_rejected
+        rejected = self.obcache_rejected
+        admission.count_rejections_with(lambda field: rejected.labels(field=field).inc())
         _announce_refusals(vllm_config)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
@@ -128,21 +130,13 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
 def _announce_refusals(vllm_config) -> None:
     """At server start: say once if this configuration refuses budgets, and why (e.g. the V2
     model runner, with the setting that selects the V1 one)."""
-    from obcache_vllm.vllm_ext.frontend.admission import unsupported_reason
-
     try:
-        reason = unsupported_reason(vllm_config)
+        reason = admission.unsupported_reason(vllm_config)
     except Exception as exc:  # never keep the server from starting over a message
         reason = f"(could not be checked: {exc})"
     if reason is not None:
         logger.warning("obcache: requests with kv_budget will get HTTP 400 on this server: %s",
                        reason)  # fmt: skip
-
-
-def count_rejection(field: str) -> None:
-    """Count one request rejected for the kv_* option ``field`` (no-op without a live logger)."""
-    if _live_rejections is not None:
-        _live_rejections.labels(field=field).inc()
 
 
 def stat_logger_factories(original):

@@ -6,7 +6,8 @@
   so it runs on a bare GPU machine).
 
 The shared worker code never imports this package (an import-linter contract);
-:mod:`obcache_vllm.vllm_ext.install` asks the two functions below for the platform's adapter.
+:mod:`obcache_vllm.vllm_ext.install` asks the two functions below for the platform's backend
+name (the seam registry's ``backend`` column: which rows apply) and its refusals.
 Importing this package imports nothing (the GPU kernels check imports ``.flash_attn_layout``
 without vLLM); :mod:`.refusals` holds what each adapter refuses, as plain functions.
 """
@@ -28,22 +29,13 @@ def platform_refusal():
     return refusals.unsupported_platform
 
 
-def install_platform_backend() -> None:
-    """The worker-side patches of the platform's adapter (idempotent)."""
+def platform_backend() -> str:
+    """This platform's attention adapter, as the seam registry names it: ``"cpu"``, ``"cuda"``,
+    or ``"none"`` (no adapter: budgets are refused, only the platform-neutral rows apply)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-        from vllm.v1.worker import cpu_worker
-
-        from obcache_vllm.vllm_ext.worker.backends.cpu import OBCacheCPUModelRunner
-
-        cpu_worker.CPUModelRunner = OBCacheCPUModelRunner
-        register_backend(
-            AttentionBackendEnum.CPU_ATTN,
-            "obcache_vllm.vllm_ext.worker.backends.cpu.OBCacheCPUBackend",
-        )
-    elif current_platform.is_cuda():
-        from obcache_vllm.vllm_ext.worker.backends.flash_attn import install_cuda
-
-        install_cuda()
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return "none"

@@ -1,11 +1,13 @@
 """FlashAttention adapter (vLLM's ``FLASH_ATTN`` on CUDA): view, in-place shift, refusals, classes.
 
-Installed (:func:`install_cuda`, from :func:`obcache_vllm.vllm_ext.install.install` on CUDA) by
-overriding ``AttentionBackendEnum.FLASH_ATTN`` with :class:`OBCacheFlashAttnBackend` (same
-name: the rest of vLLM sees FLASH_ATTN) and by wrapping ``gpu_worker.Worker._make_model_runner``
-so the V1 path builds :class:`OBCacheGPUModelRunner`. NOT run by the project on a GPU yet: the
-pure-torch parts are tested on CPU tensors (tests/unit/test_flash_attn_layout.py) and by
-``scripts/gpu_kernels_check.sh``; ``scripts/gpu_check.sh`` runs the engine checks on a GPU.
+Installed on CUDA by the seam registry's ``cuda`` rows (:data:`obcache_vllm.vllm_ext.seams.
+REGISTRY`, applied by :func:`obcache_vllm.vllm_ext.install.install`, which also checks them):
+``AttentionBackendEnum.FLASH_ATTN`` is overridden with :class:`OBCacheFlashAttnBackend` (same
+name: the rest of vLLM sees FLASH_ATTN) and ``gpu_worker.Worker._make_model_runner`` is wrapped
+(:func:`_wrap_make_model_runner`) so the V1 path builds :class:`OBCacheGPUModelRunner`. NOT
+run by the project on a GPU yet: the pure-torch parts are tested on CPU tensors
+(tests/unit/test_flash_attn_layout.py) and by ``scripts/gpu_kernels_check.sh``;
+``scripts/gpu_check.sh`` runs the engine checks on a GPU.
 
 (a) Layout (vLLM 0.32; older vLLM had ``[2, num_blocks, bs, Hkv, D]``): a layer's cache is
     the logical view ``[num_blocks, Hkv, bs, 2*D]`` (K then V in the last dim) in any of the
@@ -70,29 +72,6 @@ from obcache_vllm.vllm_ext.worker.backends.refusals import (
     flash_attn_refusal,
 )
 from obcache_vllm.vllm_ext.worker.runner import EvictingRunnerMixin
-
-BACKEND_PATH = "obcache_vllm.vllm_ext.worker.backends.flash_attn.OBCacheFlashAttnBackend"
-
-# vLLM internals only this adapter relies on (checked by install_cuda, and on CPU by the
-# engine-marked tests): (module, qualname, leading parameter names).
-CUDA_SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("vllm.v1.worker.gpu_worker", "Worker._make_model_runner", ("self",)),
-    (
-        "vllm.v1.attention.backends.flash_attn",
-        "FlashAttentionMetadataBuilder.build",
-        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-    ),
-    (
-        "vllm.v1.attention.backends.flash_attn",
-        "FlashAttentionImpl.forward",
-        ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
-    ),
-    (
-        "vllm.v1.worker.block_table",
-        "BlockTable.get_device_tensor",  # the builder's table is a slice of this buffer
-        ("self", "num_reqs"),
-    ),
-)
 
 
 class FlashAttnAdapter(BackendAdapter):
@@ -181,36 +160,12 @@ class OBCacheGPUModelRunner(EvictingRunnerMixin, GPUModelRunner):
             )
 
 
-def check_cuda_seams() -> None:
-    """Raise ``IncompatibleVllmError`` unless every internal in :data:`CUDA_SEAMS` is as
-    pinned and cascade attention is still gone from the FA builder."""
-    from obcache_vllm.vllm_ext.seams import IncompatibleVllmError, signature_problems
-
-    problems = signature_problems(CUDA_SEAMS)
-    if hasattr(FlashAttentionMetadataBuilder, "use_cascade_attention"):
-        problems.append("FlashAttentionMetadataBuilder.use_cascade_attention is back")
-    if problems:
-        raise IncompatibleVllmError("vLLM internals changed:\n  " + "\n  ".join(problems))
-
-
 def _wrap_make_model_runner(original):
     @functools.wraps(original)
     def _make_model_runner(self):
-        if self.use_v2_model_runner:  # budgets are refused with V2 (support.unsupported_reason)
+        if self.use_v2_model_runner:  # budgets are refused with V2 (refusals.flash_attn_refusal)
             return original(self)
         return OBCacheGPUModelRunner(self.vllm_config, self.device)
 
     _make_model_runner.__obcache_wrapped__ = True
     return _make_model_runner
-
-
-def install_cuda() -> None:
-    """The CUDA worker's patches (idempotent): the FA backend override and the V1 runner."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    from vllm.v1.worker import gpu_worker
-
-    from obcache_vllm.vllm_ext.patching import patch_method
-
-    check_cuda_seams()
-    patch_method(gpu_worker.Worker, "_make_model_runner", _wrap_make_model_runner)
-    register_backend(AttentionBackendEnum.FLASH_ATTN, BACKEND_PATH)
