@@ -119,7 +119,7 @@ def main() -> int:
         "seconds": round(seconds, 1),
         "problems": problems,
         "totals": dict(totals),
-        "oracle_checks": engine.runner.obcache_oracle.checks,
+        "oracle_checks": engine.runner.obcache.oracle.checks,
         "profile": args.profile,
         "engine": engine_kwargs,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, engine on one core",

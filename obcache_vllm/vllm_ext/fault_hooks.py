@@ -7,8 +7,8 @@ is on) wraps, process-locally:
   ``OBCacheScheduler._plan_request`` (``schedule``: raise at its first order; ``desync``: send
   that order with a wrong length) and ``PrefixAdapter.lookup`` (``adopt``: raise where a
   request would start from the prefix cache or an entry),
-* ``EvictingRunnerMixin._obcache_update_states`` (note), ``_obcache_commit`` (``report``: lose
-  the report of the step whose order applied; a fired fault is spent),
+* ``WorkerEviction.update_states`` (note), ``WorkerEviction.commit`` (``report``: lose the
+  report of the step whose order applied; a fired fault is spent),
 * the layer function the attention impls call (``score`` / ``compact:N`` through a
   :class:`~obcache_vllm.eviction.faults.FaultyView`), and the decode grouping (a faulted row is
   handled alone, where its view can raise).
@@ -70,36 +70,36 @@ def _wrap_lookup(original):
 
 def _wrap_update_states(original):
     @functools.wraps(original)
-    def _obcache_update_states(self, scheduler_output):
+    def update_states(self, scheduler_output, *args, **kwargs):
         for req_id in scheduler_output.finished_req_ids:
             _faults.drop(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             _faults.note(new.req_id, params.extra_args if params is not None else None)
-        return original(self, scheduler_output)
+        return original(self, scheduler_output, *args, **kwargs)
 
-    _obcache_update_states.__obcache_wrapped__ = True
-    return _obcache_update_states
+    update_states.__obcache_wrapped__ = True
+    return update_states
 
 
 def _wrap_commit(original):
     @functools.wraps(original)
-    def _obcache_commit(self):
-        plan = self._obcache_plan
-        original(self)
+    def commit(self, *args, **kwargs):
+        plan = self.plan
+        original(self, *args, **kwargs)
         if plan is None:
             return
-        report = self._obcache_report
+        report = self.report
         for row in plan.rows:
             if row.outcome.failure is not None and _faults.peek(row.req_id, *LAYER_STAGES):
                 _faults.fire(row.req_id)  # one shot
             if report is not None and row.req_id in report.applied:
                 if _faults.peek(row.req_id, "report"):
                     _faults.fire(row.req_id)
-                    self._obcache_report = None  # this step's report is lost
+                    self.report = None  # this step's report is lost
 
-    _obcache_commit.__obcache_wrapped__ = True
-    return _obcache_commit
+    commit.__obcache_wrapped__ = True
+    return commit
 
 
 def _tp_rank() -> int:
@@ -161,10 +161,10 @@ HOOKS = tuple(
         (f"{_ENGINE}.scheduler", "OBCacheScheduler.add_request", "_wrap_add_request"),
         (f"{_ENGINE}.scheduler", "OBCacheScheduler._plan_request", "_wrap_plan_request"),
         (f"{_ENGINE}.prefix", "PrefixAdapter.lookup", "_wrap_lookup"),
-        (f"{_WORKER}.runner", "EvictingRunnerMixin._obcache_update_states", "_wrap_update_states"),
-        (f"{_WORKER}.runner", "EvictingRunnerMixin._obcache_commit", "_wrap_commit"),
+        (f"{_WORKER}.lifecycle", "WorkerEviction.update_states", "_wrap_update_states"),
+        (f"{_WORKER}.lifecycle", "WorkerEviction.commit", "_wrap_commit"),
         (f"{_WORKER}.attention", "evict_after_attention", "_wrap_evict"),
-        (f"{_WORKER}.runner", "_group_decode_orders", "_wrap_grouping"),
+        (f"{_WORKER}.lifecycle", "_group_decode_orders", "_wrap_grouping"),
     )
 )
 

@@ -1,7 +1,7 @@
 """Decode evictions of several requests in one step are batched; the result is the same.
 
 Requests with equal prompt lengths and budgets evict in lockstep, so the runner groups their
-orders (runner._group_decode_orders) and each layer gathers, scores, selects and scatters them
+orders (lifecycle._group_decode_orders) and each layer gathers, scores, selects and scatters them
 in one op each (core._group_after_attention). Oracle: the same batch with grouping switched
 off, every request processed alone.
 """
@@ -12,7 +12,7 @@ import pytest
 from support.engine import POOL_BLOCKS
 from support.texts import haystack
 
-from obcache_vllm.vllm_ext.worker import runner as runner_mod
+from obcache_vllm.vllm_ext.worker import lifecycle as runner_mod
 
 
 def _prompts(tokenizer, count: int) -> list[list[int]]:

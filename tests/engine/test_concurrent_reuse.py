@@ -93,11 +93,11 @@ def test_questions_over_one_document_in_flight_together_match_each_alone(
     kv = {"kv_budget": 0.25, "kv_compress_at": len(doc), **kv}
     prefix = engine.scheduler.obcache_prefix
     counts = dict(prefix.counts)
-    checks = engine.runner.obcache_oracle.checks
+    checks = engine.runner.obcache.oracle.checks
     together = _run(driver, [(i, f"q{i}", doc + q, 12, None, kv) for i, q in enumerate(questions)])
     hits = prefix.counts.get(("compress_at", "hit"), 0) - counts.get(("compress_at", "hit"), 0)
     assert hits >= 3  # followers admitted after the entry was made adopted it
-    assert engine.runner.obcache_oracle.checks - checks >= hits + 1  # the entry and each adopter
+    assert engine.runner.obcache.oracle.checks - checks >= hits + 1  # the entry and each adopter
     donor_kept = _kept(engine, driver.internal["q0"])
     assert engine.llm.reset_prefix_cache()
     for i, q in enumerate(questions):
@@ -107,7 +107,7 @@ def test_questions_over_one_document_in_flight_together_match_each_alone(
 
 
 def _kept(engine, req_id):
-    record = engine.runner.obcache_records[req_id]
+    record = engine.runner.obcache.records[req_id]
     return {layer: keep.tolist() for layer, keep in record.items() if ":" not in layer}
 
 

@@ -167,7 +167,7 @@ def _run_vllm(engine, prompts, contexts) -> dict[str, list[Run]]:
     """All combos in one batch on the session's in-process fp32 engine."""
     from vllm import SamplingParams
 
-    records = engine.runner.obcache_records
+    records = engine.runner.obcache.records
     assert records is not None, "OBCACHE_VLLM_RECORD_KEEP=1 must be set before the engine starts"
     before = set(records)
     requests, params = [], []

@@ -101,8 +101,8 @@ def test_teacher_forcing_matches_prompt_logprobs_and_evicts(engine, tokenizer):
     assert outcome["full"].evictions == 0
 
     # Streaming keeps the 4 sinks and a contiguous recent window (StreamingLLM).
-    iid = [k for k in engine.runner.obcache_records if k.startswith("streaming@128")]
-    record = engine.runner.obcache_records[iid[-1]]
+    iid = [k for k in engine.runner.obcache.records if k.startswith("streaming@128")]
+    record = engine.runner.obcache.records[iid[-1]]
     keep = next(v for k, v in record.items() if ":" not in k)  # [Hkv, K] one layer
     assert (keep[:, : ppl.SINKS] == torch.arange(ppl.SINKS)).all()
     assert (keep[:, ppl.SINKS + 1 :] - keep[:, ppl.SINKS : -1] == 1).all()

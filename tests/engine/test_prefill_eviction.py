@@ -153,7 +153,7 @@ def test_chunked_prefill_evicts_once_with_the_last_window(driver, prompts):
     driver.run()
     record = engine.scheduler.obcache_finished[-1]
     assert record.req_id == rid and record.evictions == 1
-    kept = engine.runner.obcache_records[rid]
+    kept = engine.runner.obcache.records[rid]
     q_count, first, last = kept["model.layers.0.self_attn.attn:window"]
     assert (q_count, first, last) == (window, n - window, n - 1)
     k = kept["model.layers.0.self_attn.attn"]
@@ -184,7 +184,7 @@ def test_compress_at_evicts_before_the_question(driver, tokenizer):
     driver.run()
     layer = "model.layers.0.self_attn.attn"
     for i, rid in enumerate(rids):
-        record = engine.runner.obcache_records[rid]
+        record = engine.runner.obcache.records[rid]
         assert record[layer + ":window"] == (32, point - 32, point - 1)
         kept = record[layer]
         assert kept.shape == (3, point - ((point - 128) // BS) * BS)
@@ -201,7 +201,7 @@ def test_compress_at_evicts_before_the_question(driver, tokenizer):
         assert computed[-1] == computed[evicted_at + 1] + 1
         assert resident[-1] == kept.shape[1] + computed[-1] - point
     # Scored with context queries only: both requests kept the same tokens in every layer.
-    a, b = (engine.runner.obcache_records[r] for r in rids)
+    a, b = (engine.runner.obcache.records[r] for r in rids)
     assert all((a[n] == b[n]).all() for n in a if ":" not in n)
     assert any((a[n][0] != a[n][1]).any() for n in a if ":" not in n)  # per head
     assert engine.free_blocks() == POOL_BLOCKS - 1
@@ -211,7 +211,7 @@ def test_shared_selection_keeps_the_same_tokens_in_every_head(driver, tokenizer)
     ids = _ids(tokenizer, haystack(20, seed=78))
     rid = driver.add("shared", ids, 2, kv_budget=96, kv_pipeline="tova", kv_per_head=False)
     driver.run()
-    record = driver.engine.runner.obcache_records[rid]
+    record = driver.engine.runner.obcache.records[rid]
     layers = [n for n in record if ":" not in n]
     assert len(layers) == 30
     for name in layers:
@@ -263,7 +263,7 @@ def test_abort_after_eviction_returns_every_block(driver, prompts):
     out = driver.run()
     assert len(out.get(victim, [])) < 200 and len(out[neighbour]) == 12  # aborted mid-way
     assert engine.free_blocks() == POOL_BLOCKS - 1
-    assert victim not in engine.runner.obcache_states
+    assert victim not in engine.runner.obcache.states
 
 
 def test_preemption_after_eviction_recomputes_and_returns_every_block(driver, prompts):

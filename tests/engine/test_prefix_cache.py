@@ -79,7 +79,7 @@ def _generate(engine, prompt, kv=None, max_tokens=8, ignore_eos=False):
 def _kept(engine, request_id):
     """Kept indices per layer of the request's last eviction (the worker's records; the
     engine's request ids carry a suffix after the one ``generate`` returns)."""
-    records = engine.runner.obcache_records
+    records = engine.runner.obcache.records
     (key,) = [k for k in records if k == request_id or k.startswith(f"{request_id}-")]
     record = records[key]
     return {layer: keep.tolist() for layer, keep in record.items() if ":" not in layer}

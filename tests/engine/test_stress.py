@@ -52,7 +52,7 @@ def test_concurrent_reuse_stress(engine, tokenizer, engine_kwargs):
     # What the stress must have exercised to mean anything.
     assert totals.get("compress_at_hit", 0) >= 3 and totals.get("session_hit", 0) >= 1
     assert totals.get("preemptions", 0) >= 1 and totals.get("aborted", 0) >= 1
-    assert engine.runner.obcache_oracle.checks > 0
+    assert engine.runner.obcache.oracle.checks > 0
     # Unbudgeted requests in flight with all of this: stock vLLM's tokens, each alone.
     specs = sorted(unbudgeted)
     stock = run_stock(engine_kwargs, [[{"prompt_token_ids": list(p), "max_tokens": m}]

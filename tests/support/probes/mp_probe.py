@@ -15,7 +15,7 @@ import sys
 
 
 def kept_counts(worker) -> dict:
-    records = worker.model_runner.obcache_records or {}
+    records = worker.model_runner.obcache.records or {}
     return {
         rid: sorted({int(v.shape[1]) for k, v in rec.items() if ":" not in k})
         for rid, rec in records.items()

@@ -24,7 +24,7 @@ def kept_indices(worker) -> list[dict]:
 
 
 def records_of(runner) -> list[dict]:
-    records = runner.obcache_records or {}
+    records = runner.obcache.records or {}
     return [
         {layer: v.tolist() for layer, v in rec.items() if ":" not in layer}
         for rec in records.values()
