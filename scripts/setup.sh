@@ -10,7 +10,9 @@
 #      `prometheus` (prometheus + promtool, for the deploy checks and the real-Prometheus test)
 #      when missing and apt-get can run (root); otherwise only a note. Skipped when `bible` /
 #      `promtool` exist, or when OBCACHE_VLLM_SYSTEM_PACKAGES=0 (the Docker image),
-#   5. provision the default model (`obcache-vllm model pull`).
+#   5. under CI=true, fail with the name of every command the suite needs and cannot find
+#      (kubectl, promtool, prometheus, bible): a skipped capability test would fail the run,
+#   6. provision the default model (`obcache-vllm model pull`).
 # Idempotent: steps 2-3 are skipped while .venv/.obcache-setup-stamp matches the hash of
 # pyproject.toml, this script, the extras and the checkout path; step 5 is instant once the model cache is valid.
 #
@@ -80,6 +82,22 @@ apt_best_effort() {  # PACKAGE COMMAND PURPOSE
 }
 apt_best_effort bible-kjv bible "obcache-vllm ppl"
 apt_best_effort prometheus promtool "the Prometheus deploy checks and test"
+
+# Under CI=true a skipped test fails the suite (tests/conftest.py): every capability must run.
+# Say here which command is missing and where it comes from, before the suite starts.
+if [[ "${CI:-}" == true ]]; then
+    missing=()
+    for need in "kubectl:the Kubernetes deploy checks (kubectl kustomize; kubectl >= 1.27)" \
+                "promtool:the Prometheus deploy checks (Debian: prometheus)" \
+                "prometheus:the real-Prometheus test (Debian: prometheus)" \
+                "bible:the perplexity text (Debian: bible-kjv)"; do
+        command -v "${need%%:*}" >/dev/null 2>&1 || missing+=("${need%%:*} (${need#*:})")
+    done
+    if (( ${#missing[@]} )); then
+        for m in "${missing[@]}"; do say "error: CI=true and not installed: $m"; done
+        exit 1
+    fi
+fi
 
 say "provisioning the default model"
 "$VENV/bin/obcache-vllm" model pull >/dev/null
