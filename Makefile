@@ -7,7 +7,8 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
-	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity
+	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity \
+	lm-eval
 
 setup:
 	@bash scripts/setup.sh
@@ -51,6 +52,13 @@ stress: setup
 FIDELITY_ARGS ?= --samples 6 --pipelines tova,snapkv,h2o,streaming --budgets 0.1,0.2,0.3,0.4 --settings aware,agnostic
 fidelity: setup
 	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --out results/fidelity
+
+## EleutherAI's lm-evaluation-harness through the server: RULER tasks that build their data
+## offline, one run per arm (kv_* fields as --gen_kwargs), full cache included; report in
+## results/lm-eval (see docs/user_guide/lm_eval.md)
+LM_EVAL_ARGS ?= --limit 50 --budgets 0.2 --max-gen-toks 64
+lm-eval: setup
+	$(PY) scripts/lm_eval_grid.py $(LM_EVAL_ARGS) --out results/lm-eval
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,85 @@
+"""scripts/lm_eval_grid.py's own logic: the arms it sends, how it reads lm-eval's samples, the
+paired difference and the report (the run itself: tests/server/test_lm_eval.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import lm_eval_grid as grid  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def test_arms_are_the_full_cache_then_every_combination():
+    arms = grid.arms(["", "snapkv"], ["obcache_key"], [0.2], ["aware", "agnostic"], tail=96)
+    assert [a.name for a in arms] == [
+        "full", "obcache_key/0.2/aware", "obcache_key/0.2/agnostic",
+        "snapkv/obcache_key/0.2/aware", "snapkv/obcache_key/0.2/agnostic",
+    ]  # fmt: skip
+    full, aware, agnostic = arms[:3]
+    assert full.fields == {"kv_budget": None} and full.is_full  # stock whatever the default
+    assert aware.fields == {"kv_budget": 0.2, "kv_scorer": "obcache_key"}
+    assert agnostic.fields["kv_compress_at"] == -96 and not agnostic.is_full
+    assert "kv_pipeline" not in aware.fields and arms[3].fields["kv_pipeline"] == "snapkv"
+    with pytest.raises(ValueError, match="setting"):
+        grid.arms([""], ["attn"], [0.2], ["sideways"], tail=96)
+
+
+def test_the_command_carries_the_arm_as_gen_kwargs():
+    arm = grid.Arm("x", {"kv_budget": 0.2, "kv_compress_at": -96})
+    cmd = grid.lm_eval_command("lm_eval", "http://h:1", "m", "/tok", arm, ["niah_single_1"],
+                               [1024], 50, 8, Path("out"))  # fmt: skip
+    assert json.loads(cmd[cmd.index("--gen_kwargs") + 1]) == arm.fields
+    assert json.loads(cmd[cmd.index("--metadata") + 1]) == {"max_seq_lengths": [1024]}
+    assert "base_url=http://h:1/v1/completions" in cmd[cmd.index("--model_args") + 1]
+
+
+def _samples(path: Path, task: str, scores: dict[int, float], length: int = 1024) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"doc_id": d, "4096": -1.0, str(length): s}) for d, s in scores.items()]
+    (path / f"samples_{task}_2026-12-02T16-04-03.661669.jsonl").write_text("\n".join(lines))
+
+
+def test_samples_are_read_per_task_and_length_and_paired_by_document(tmp_path):
+    _samples(tmp_path / "full", "niah_single_1", {0: 1.0, 1: 1.0, 2: 0.0, 3: 1.0})
+    _samples(tmp_path / "arm", "niah_single_1", {0: 1.0, 1: 0.0, 2: 0.0, 3: 0.0})
+    _samples(tmp_path / "arm", "ruler_vt", {0: 0.2, 1: 0.4})
+    full = grid.read_samples(tmp_path / "full", [1024])
+    arm = grid.read_samples(tmp_path / "arm", [1024])
+    assert full == {"niah_single_1": {1024: {0: 1.0, 1: 1.0, 2: 0.0, 3: 1.0}}}
+    assert arm["ruler_vt"][1024] == {0: 0.2, 1: 0.4}
+    mean, lo, hi = grid.paired_difference(arm["niah_single_1"][1024], full["niah_single_1"][1024])
+    assert mean == -0.5 and lo <= mean <= hi <= 0.0
+    runs = {"full": {"scores": full, "kept_ratio": None},
+            "a": {"scores": arm, "kept_ratio": 0.25}}  # fmt: skip
+    rows = grid.summarize(runs)
+    niah = next(r for r in rows if r["arm"] == "a" and r["task"] == "niah_single_1")
+    assert (niah["n"], niah["accuracy"], niah["diff"]) == (4, 0.25, -0.5)
+    assert "diff" not in next(r for r in rows if r["arm"] == "a" and r["task"] == "ruler_vt")
+    md = grid.render({"rows": rows, "arms": ["full", "a"], "lm_eval_version": "0.4.13",
+                      "model": "m", "date": "d", "machine": "here", "command": "c",
+                      "seconds": 1.0})  # fmt: skip
+    assert "| a | 0.25 | 0.25 [" in md and "Δ -0.50" in md and "| full | 1.00 | 0.75 [" in md
+
+
+def test_each_score_is_paired_with_the_attn_arm_that_differs_only_by_it():
+    docs = {1024: {0: 1.0, 1: 0.0, 2: 1.0}}
+    runs = {
+        "full": {"fields": {"kv_budget": None}, "scores": {"t": {1024: {0: 1, 1: 1, 2: 1}}}},
+        "attn/0.2/agnostic": {"fields": {"kv_budget": 0.2, "kv_scorer": "attn",
+                                         "kv_compress_at": -96}, "scores": {"t": docs}},
+        "attn/0.2/aware": {"fields": {"kv_budget": 0.2, "kv_scorer": "attn"},
+                           "scores": {"t": {1024: {0: 0.0, 1: 0.0, 2: 0.0}}}},
+        "obcache_key/0.2/agnostic": {"fields": {"kv_budget": 0.2, "kv_scorer": "obcache_key",
+                                                "kv_compress_at": -96},
+                                     "scores": {"t": {1024: {0: 1.0, 1: 1.0, 2: 1.0}}}},
+    }  # fmt: skip
+    (pair,) = grid.versus(runs)
+    assert (pair["arm"], pair["baseline"]) == ("obcache_key/0.2/agnostic", "attn/0.2/agnostic")
+    assert abs(pair["diff"] - 1 / 3) < 1e-9 and pair["low"] >= 0.0
