@@ -444,8 +444,8 @@ VERSIONED_SEAMS: dict[str, dict[tuple[str, str], tuple[str, str, tuple[str, ...]
 
 def seams_for(version: str) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
     """:data:`SEAMS` as they stand in vLLM ``version`` (moved rows replaced)."""
-    moved = VERSIONED_SEAMS.get(version, {})
-    return tuple(moved.get((mod, name), (mod, name, params)) for mod, name, params in SEAMS)
+    rows = _view(rows_for(version), callables=True, backend=("any", "cpu"))
+    return tuple((r.module, r.qualname, r.params) for r in rows)
 
 
 def rows_for(version: str, rows: tuple[Seam, ...] = REGISTRY) -> tuple[Seam, ...]:
@@ -577,10 +577,7 @@ def check_compatibility(include_server: bool = True, backend: str = "cpu") -> No
 def load(path: str) -> Any:
     """The object named ``"package.module:attr.attr"``."""
     module, _, attr = path.partition(":")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return _resolve(module, attr)
 
 
 def patch(owner, name: str, wrapper) -> None:
