@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity \
-	lm-eval
+	lm-eval error-target
 
 setup:
 	@bash scripts/setup.sh
@@ -59,6 +59,13 @@ fidelity: setup
 LM_EVAL_ARGS ?= --limit 50 --budgets 0.2 --max-gen-toks 64
 lm-eval: setup
 	$(PY) scripts/lm_eval_grid.py $(LM_EVAL_ARGS) --out results/lm-eval
+
+## Budgets by error target, measured: calibration of the estimate against the fidelity to the
+## full cache, and each target against fixed budgets at the same memory and the same fidelity;
+## report in results/error-target (see docs/user_guide/error_target.md)
+ERROR_TARGET_ARGS ?= --samples 8 --targets 0.001,0.003,0.01,0.03,0.1,0.3
+error-target: setup
+	$(PY) scripts/error_target_eval.py $(ERROR_TARGET_ARGS) --out results/error-target
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -36,7 +36,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import common
@@ -55,9 +55,20 @@ class Workload:
     note: str = ""
     same_pool: bool = False
     extra: dict = field(default_factory=dict)
+    # Dense and redundant documents in turn (common.mixed_prompts) instead of haystacks only.
+    mixed: bool = False
+    # A second plugin configuration on the same pool, with these kv_* fields instead (e.g. a
+    # fixed budget against an error target), reported beside the first.
+    compare_kv: dict | None = None
 
 
 TOVA_KEY = {"kv_pipeline": "tova", "kv_scorer": "obcache_key", "kv_per_head": False}
+# An error target against the fixed budget of the same fidelity: tova + obcache_key, per head,
+# as scripts/error_target_eval.py measured them (results/error-target: max_error 0.01 kept
+# 0.269 of the prompt on average, at the mean KL a fixed budget reaches keeping 0.284).
+TOVA_KEY_HEAD = {"kv_pipeline": "tova", "kv_scorer": "obcache_key"}
+TARGET = {"kv_budget": {"max_error": 0.01}, **TOVA_KEY_HEAD}
+TARGET_FIXED = {"kv_budget": 0.284, **TOVA_KEY_HEAD}
 WORKLOADS: dict[str, Workload] = {
     "decode-bound": Workload(32, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},
                              64, 520, note="decode eviction keeps 32 long generations small"),
@@ -78,6 +89,9 @@ WORKLOADS: dict[str, Workload] = {
                                              "kv_prefill_evict": True, **TOVA_KEY},
                               None, 920, same_pool=True,
                               note="the same, evicting after every prefill chunk"),
+    "mixed-target": Workload(24, 1024, 64, TARGET, 100, 830, mixed=True, compare_kv=TARGET_FIXED,
+                             note="dense and redundant documents: an error target against the "
+                             "fixed budget of the same fidelity"),
     "equal-32": Workload(32, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},
                          None, 520, same_pool=True, note="overhead at an equal batch of 32"),
     "equal-64": Workload(64, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},
@@ -108,7 +122,8 @@ def worker(args) -> dict:
                         max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.batched_tokens)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    prompts = common.prompts(llm.get_tokenizer(), w.requests + 1, w.prompt_tokens, seed=7)
+    make = common.mixed_prompts if w.mixed else common.prompts
+    prompts = make(llm.get_tokenizer(), w.requests + 1, w.prompt_tokens, seed=7)
     kv = None if args.stock else w.kv
     params = SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True,
                             extra_args=kv, output_kind=RequestOutputKind.DELTA)
@@ -162,12 +177,16 @@ def worker(args) -> dict:
                          (totals.scoring_seconds - evict0) if totals else 0.0,
                          decode_only, new_tokens))  # fmt: skip
     wall = max(done.values())
+    # Memory per request: the prompt tokens each kept (its whole prompt when stock).
+    records = [r for r in getattr(scheduler, "obcache_finished", ()) if r.req_id.startswith("r")]
+    kept = [r.kept_prompt for r in records] or [w.prompt_tokens]
     ttft = [first[r] for r in done]
     tpot = [(done[r] - first[r]) / (n_out[r] - 1) for r in done if n_out[r] > 1]
     decode_steps = [s for s in timeline if s[6]]
     step_s = [s[4] for s in timeline]
     return {
         "requests_per_s": len(done) / wall,
+        "kept_prompt_tokens_mean": statistics.fmean(kept),
         "output_tokens_per_s": sum(n_out.values()) / wall,
         "max_running": max(s[2] for s in timeline),
         "mean_running": statistics.fmean(s[2] for s in timeline),
@@ -200,9 +219,13 @@ def run_workload(name: str, w: Workload, model: str, repeats: int) -> dict[str, 
         configs = [("stock, small pool", True, w.small_pool),
                    ("stock, unlimited", True, w.big_pool),
                    ("obcache, small pool", False, w.small_pool)]  # fmt: skip
-    spec = json.dumps(asdict(w))
+    configs = [(label, stock, pool, w) for label, stock, pool in configs]
+    if w.compare_kv is not None:
+        other = replace(w, kv=w.compare_kv, compare_kv=None)
+        configs.append(("obcache (compared kv), small pool", False, w.small_pool, other))
     rows: dict[str, dict] = {}
-    for label, stock, pool in configs:
+    for label, stock, pool, config in configs:
+        spec = json.dumps(asdict(config))
         runs = [common.run_child(__file__, "serving", stock,
                                  ["--model", model, "--workload-json", spec, "--pool", str(pool)])
                 for _ in range(repeats)]  # fmt: skip
@@ -225,17 +248,18 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def table(name: str, w: Workload, rows: dict[str, dict]) -> str:
-    labels = list(rows)
+    labels = [label for label in rows if "compared" not in label]
     plugin = rows[labels[-1]]
     same, unlimited = rows[labels[0]], rows[labels[1]] if len(labels) == 3 else None
+    compared = next((r for label, r in rows.items() if "compared" in label), None)
     lines = [
         f"**{name}**: {w.requests} x ({w.prompt_tokens} prompt + {w.max_tokens} generated), "
         f"kv {json.dumps(w.kv)}; " + ", ".join(f"{k}: {r['pool_blocks']} blocks"
                                               for k, r in rows.items()) + f". {w.note}",
         "",
         "| config | req/s | out tok/s | max / mean running | preemptions | TTFT p50 / p99 s "
-        "| TPOT p50 / p99 ms | decode tok/s | step ms (model + eviction) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TPOT p50 / p99 ms | decode tok/s | step ms (model + eviction) | kept prompt tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in rows.items():
         lines.append(
@@ -245,7 +269,8 @@ def table(name: str, w: Workload, rows: dict[str, dict]) -> str:
             f"| {1e3 * r['tpot_p50_s']:.0f} / {1e3 * r['tpot_p99_s']:.0f} "
             f"| {r['decode_tokens_per_s']:.1f} "
             f"| {r['step_ms_mean']:.0f} ({r['model_ms_per_step']:.0f} + "
-            f"{r['eviction_ms_per_step']:.1f}) |"
+            f"{r['eviction_ms_per_step']:.1f}) "
+            f"| {r.get('kept_prompt_tokens_mean', w.prompt_tokens):.0f} |"
         )
     ratios = [("vs stock, same pool", same)] + ([("vs stock, unlimited", unlimited)]
                                                 if unlimited else [])  # fmt: skip
@@ -256,6 +281,14 @@ def table(name: str, w: Workload, rows: dict[str, dict]) -> str:
             f"out tok/s {plugin['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x, "
             f"decode tok/s {plugin['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x, "
             f"mean step {plugin['step_ms_mean'] / base['step_ms_mean']:.3f}x"
+        )
+    if compared is not None:
+        lines.append(
+            f"- compared kv {json.dumps(w.compare_kv)}: req/s "
+            f"{compared['requests_per_s'] / same['requests_per_s']:.2f}x stock (same pool); "
+            f"obcache / compared: req/s "
+            f"{plugin['requests_per_s'] / compared['requests_per_s']:.2f}x, out tok/s "
+            f"{plugin['output_tokens_per_s'] / compared['output_tokens_per_s']:.2f}x"
         )
     for label, r in rows.items():
         if "prefill_steps_s" in r:

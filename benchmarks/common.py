@@ -39,6 +39,23 @@ def prompts(tokenizer, count: int, tokens: int, seed: int) -> list[list[int]]:
     return out
 
 
+def mixed_prompts(tokenizer, count: int, tokens: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of exactly ``tokens`` ids, dense and redundant in turn: a haystack
+    (many distinct facts), then one haystack passage of 64-256 tokens repeated to length."""
+    import random
+
+    dense = prompts(tokenizer, count, tokens, seed)
+    rng = random.Random(seed)
+    out = []
+    for i, ids in enumerate(dense):
+        if i % 2:
+            period = rng.randrange(64, 257)
+            unit = ids[:period]
+            ids = (unit * -(-tokens // period))[:tokens]
+        out.append(ids)
+    return out
+
+
 def parser(doc: str, mode: str):
     """The benchmark's argument parser with what every script takes: its (single) mode, the
     model, and the hidden child flags of :func:`run_child`."""

@@ -147,6 +147,7 @@ class Policy:
             self.compress_at is not None
             and "kv_budget" not in requested
             and merged.get("kv_budget") is not None
+            and not options.is_error_target(merged["kv_budget"])  # compresses the whole prompt
             and merged.get("kv_compress_at") is None
             and not merged.get("kv_session")
             and not merged.get("kv_prefill_evict")

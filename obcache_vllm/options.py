@@ -133,10 +133,85 @@ def one_of(known: Callable[[], Sequence[str]]) -> Parser:
     return parse
 
 
-def budget(field: str, value: Any) -> int | float:
-    """An integer >= 1 (tokens) or a fraction in (0, 1] (of the prompt or the compress point)."""
+@dataclass(frozen=True)
+class ErrorTarget:
+    """A budget given as a quality: keep the fewest tokens whose estimated error is at most
+    ``max_error``, never fewer than ``floor`` (tokens, or a fraction like a budget; None: one
+    more than the sinks and recent tokens). See :mod:`obcache_vllm.scoring.estimate`."""
+
+    max_error: float
+    floor: int | float | None = None
+
+    def wire(self) -> str:
+        """The scalar form (``vllm_xargs``, environment variables, the wire tuple)."""
+        floor = "" if self.floor is None else f",min:{self.floor!r}"
+        return f"{ERROR_KEY}:{self.max_error!r}{floor}"
+
+
+ERROR_KEY = "max_error"
+_TARGET_KEYS = (ERROR_KEY, "min")
+_TARGET_SHAPE = (
+    'an integer >= 1, a fraction in (0, 1], or an error target {"max_error": e} '
+    '(optionally with "min": a floor budget; scalar form "max_error:e[,min:m]")'
+)
+
+
+def is_error_target(value: Any) -> bool:
+    """Whether a raw ``kv_budget`` value asks for a quality (before it is parsed)."""
+    if isinstance(value, Mapping):
+        return True
+    return isinstance(value, str) and value.strip().startswith(ERROR_KEY)
+
+
+def _target_items(field: str, value: Any) -> dict[str, Any]:
+    """The ``{"max_error": .., "min": ..}`` items of a mapping or of its scalar form."""
+    if isinstance(value, Mapping):
+        items = dict(value)
+    else:
+        items = {}
+        for part in value.split(","):
+            key, sep, raw = part.partition(":")
+            if not sep:
+                raise KvOptionsError(field, f"must be {_TARGET_SHAPE}", value)
+            try:
+                number = float(raw)
+            except ValueError:
+                raise KvOptionsError(field, f"{key.strip()}: not a number", value) from None
+            items[key.strip()] = int(number) if key.strip() == "min" and "." not in raw else number
+    unknown = sorted(str(k) for k in items if k not in _TARGET_KEYS)
+    if unknown or ERROR_KEY not in items:
+        why = f"unknown key {unknown[0]!r}" if unknown else f"{ERROR_KEY} is missing"
+        raise KvOptionsError(field, f"{why}; must be {_TARGET_SHAPE}", value)
+    return items
+
+
+def error_target(field: str, value: Any) -> ErrorTarget:
+    """``{"max_error": e, "min": m}`` or ``"max_error:e,min:m"``: e a number > 0 (the
+    estimate's unit: :mod:`obcache_vllm.scoring.estimate`), m a budget (the floor)."""
+    items = _target_items(field, value)
+    target = items[ERROR_KEY]
+    if isinstance(target, bool) or not isinstance(target, (int, float)):
+        raise KvOptionsError(field, f"{ERROR_KEY} must be a number > 0", value)
+    if not math.isfinite(target) or target <= 0:
+        raise KvOptionsError(field, f"{ERROR_KEY} must be a finite number > 0", value)
+    floor = items.get("min")
+    if floor is not None:
+        try:
+            floor = budget(field, floor)
+        except KvOptionsError as exc:
+            raise KvOptionsError(field, f"min {str(exc).split(': ', 1)[1]}", value) from None
+        if isinstance(floor, ErrorTarget):
+            raise KvOptionsError(field, "min must be a budget, not an error target", value)
+    return ErrorTarget(float(target), floor)
+
+
+def budget(field: str, value: Any) -> int | float | ErrorTarget:
+    """An integer >= 1 (tokens), a fraction in (0, 1] (of the prompt or the compress point),
+    or an error target (:func:`error_target`)."""
+    if is_error_target(value):
+        return error_target(field, value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise KvOptionsError(field, "must be an integer >= 1 or a fraction in (0, 1]", value)
+        raise KvOptionsError(field, f"must be {_TARGET_SHAPE}", value)
     if isinstance(value, float) and not math.isfinite(value):
         raise KvOptionsError(field, "must be finite", value)
     if isinstance(value, int):
@@ -243,9 +318,41 @@ def _check_room(budget: int, sinks: int, recent: int) -> None:
 
 def _refuse_no_room(request: KvRequest) -> None:
     """A token budget that leaves nothing beyond the sinks and recent tokens (a fraction is
-    checked when it is resolved against a prompt)."""
-    if isinstance(request.budget, int):
+    checked when it is resolved against a prompt); what an error target cannot serve."""
+    if isinstance(request.budget, ErrorTarget):
+        _refuse_target(request)
+        floor = request.budget.floor
+        if isinstance(floor, int):
+            _check_room(floor, request.sinks, request.recent)
+    elif isinstance(request.budget, int):
         _check_room(request.budget, request.sinks, request.recent)
+
+
+def _refuse_target(request: KvRequest) -> None:
+    """An error target reads the window queries' outputs (or, for h2o, a score that is a share
+    of attention), at one eviction at the end of the prompt (see
+    :mod:`obcache_vllm.scoring.estimate`)."""
+    from obcache_vllm.scoring import make_scorer, pipeline_class
+
+    pipeline = pipeline_class(request.pipeline)
+    why = None
+    if not pipeline.scored:
+        why = f"kv_pipeline {request.pipeline} has no scored queries to measure the error with"
+    elif pipeline.sums_every_query and not make_scorer(request.scorer).attention_share:
+        why = (f"kv_scorer {request.scorer} with kv_pipeline {request.pipeline}: with no window "
+               "of queries kept, the error is the share of attention evicted, which needs "
+               "kv_scorer attn or value_norm (or use snapkv or tova)")  # fmt: skip
+    else:
+        for name, value in (("kv_decode", request.decode or None),
+                            ("kv_compress_at", request.compress_at),
+                            ("kv_session", request.session or None),
+                            ("kv_prefill_evict", request.prefill_evict or None),
+                            ("kv_when", None if request.when == "always" else request.when)):
+            if value is not None:  # fmt: skip
+                why = f"cannot be combined with {name} yet (one eviction at the prompt's end)"
+                break
+    if why is not None:
+        raise KvOptionsError("kv_budget", f"an error target: {why}", request.budget.wire())
 
 
 # -- the table ----------------------------------------------------------------------------------
@@ -310,10 +417,13 @@ REQUIRED = dataclasses.MISSING  # OptionSpec.default of an option every budgeted
 OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "kv_budget", budget, REQUIRED, (int,), server_default=None, refuse=_refuse_no_room,
-        examples=(64, 96, 200),
         doc="int >= 1: KV tokens kept per layer and KV head after eviction; float in (0, 1]: "
-        "that fraction of the prompt (rounded up; of k with `kv_compress_at`). Unset: a stock "
-        "request",
+        "that fraction of the prompt (rounded up; of k with `kv_compress_at`). "
+        '`{"max_error": e}` (or `"max_error:e"` where only scalars travel): an error target, '
+        "the fewest tokens whose estimated error is at most e, never fewer than its optional "
+        '`"min"` (a budget as above; default `kv_sinks + kv_recent + 1`); see "Budgets by '
+        'error target". Unset: a stock request',
+        examples=(64, 96, 200, {"max_error": 0.05}),
     ),
     OptionSpec(
         "kv_scorer", one_of(_scorer_names), "obcache_key", (str,),
@@ -402,12 +512,16 @@ def _resolved_only() -> list[tuple]:
         # A session the front end started on its own (``kv_compress_at: "auto"`` on a prompt
         # that continues nothing): its entry is held only while no request needs the blocks.
         ("tentative", bool, field(default=False, kw_only=True)),
+        # An error target (kv_budget {"max_error": e}): ``budget`` is then its floor, and the
+        # worker keeps the fewest tokens, at or above it, whose estimated error is at most e.
+        ("max_error", Any, field(default=None, kw_only=True)),
     ]
 
 
 _RESOLVED_TYPES: dict[str, tuple[type, ...]] = {
-    "requested_budget": (int, float, type(None)),
+    "requested_budget": (int, float, str, type(None)),
     "tentative": (bool,),
+    "max_error": (float, type(None)),
 }
 
 
@@ -536,7 +650,10 @@ class _RequestMethods:
                 self.compress_at,
             )
         base = self.compress_at or num_prompt_tokens
-        tokens = self.budget
+        tokens, requested, max_error = self.budget, self.budget, None
+        if isinstance(tokens, ErrorTarget):
+            requested, max_error = tokens.wire(), tokens.max_error
+            tokens = tokens.floor or self.sinks + self.recent + 1
         if not isinstance(tokens, int):
             tokens = max(1, math.ceil(tokens * base))
         if max_model_len is not None and tokens > max_model_len:
@@ -554,7 +671,7 @@ class _RequestMethods:
         _check_room(tokens, self.sinks, self.recent)
         values = {spec.name: getattr(self, spec.name) for spec in self.table.specs}
         values["budget"] = tokens
-        return self.table.options_type(**values, requested_budget=self.budget)
+        return self.table.options_type(**values, requested_budget=requested, max_error=max_error)
 
     def joins_session(self) -> bool:
         """Whether a vLLM ``session_id`` on this request makes it a ``kv_session`` request:
@@ -573,6 +690,8 @@ class _RequestMethods:
         """Whether compressing the first ``at`` tokens to this budget leaves room beyond
         the sinks and recent tokens and evicts something."""
         tokens = self.budget
+        if isinstance(tokens, ErrorTarget):
+            return False  # refused with kv_compress_at; never chosen for it
         if not isinstance(tokens, int):
             tokens = max(1, math.ceil(tokens * at))
         return self.sinks + self.recent < tokens < at
@@ -658,7 +777,10 @@ class OptionTable:
 
 
 def _check_scalar(key: str, value: Any) -> None:
-    """A JSON scalar, an int within int64, a finite float (vLLM's transport carries int64)."""
+    """A JSON scalar, an int within int64, a finite float (vLLM's transport carries int64);
+    ``kv_budget`` may also be an error target's object."""
+    if key == "kv_budget" and isinstance(value, Mapping):
+        return
     if value is not None and not isinstance(value, (str, int, float, bool)):
         raise KvOptionsError(key, f"must be a scalar, got {type(value).__name__}", value)
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:

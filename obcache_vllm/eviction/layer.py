@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from obcache_vllm.eviction.step import RowPlan, StepPlan
-from obcache_vllm.scoring import HeadGeometry, RunningScores
+from obcache_vllm.scoring import HeadGeometry, RunningScores, estimate
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,9 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
     blocks = plan.read_block_table[row.row : row.row + 1]  # [1, M]
     keys, values = view.gather(blocks, row.num_resident)
     keys, values = keys[0], values[0]  # [Hkv, N, D] each
+    if order is not None and order.max_error is not None:
+        _defer(plan, row, layer, q_rows, keys, values, view, blocks, geom)
+        return
     scores = _scores(plan, row, layer, q_rows, keys, values, geom, prefill_end)
     if order is None:
         return
@@ -124,20 +127,24 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
     keep = pipeline.select(
         scores, keep=order.kept, recent=opts.recent, sinks=opts.sinks, reduce=reduction
     )
+    _compact(row, layer, view, blocks, keys, values, keep, order.dead_after)
+
+
+def _compact(row: RowPlan, layer: str, view, blocks, keys, values, keep, dead_after: int) -> None:
+    """Write one layer's kept tokens ``keep`` [Hkv, K] of the resident ``keys``/``values``
+    [Hkv, N, D] to the logical slots ``[dead_after*bs, L)`` of the row's ``blocks`` [1, M]
+    (the block table the attention read), after copying the blocks ``order.preserve`` names."""
+    state, order, opts = row.state, row.order, row.state.options
     if state.record is not None:
         state.record_keep(layer, keep, row.block_size)
     index = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])  # [Hkv, K, D]
     kept_k = torch.gather(keys, 1, index)  # gathered before anything is written
     kept_v = torch.gather(values, 1, index)
     row.outcome.writing = True
-    if order.preserve:  # stock KV about to be overwritten, kept for the prefix cache
-        first = order.dead_before
-        src = blocks[0, [index - first for index, _ in order.preserve]]
-        dst = torch.tensor([b for _, b in order.preserve], dtype=src.dtype, device=src.device)
-        view.copy_blocks(src, dst)
+    _preserve(row, view, blocks)
     # Kept tokens go to logical slots [dead_after*bs, L): block (dead_after - dead_before) on
     # of the row as the attention read it.
-    view.scatter(blocks[:, order.dead_after - order.dead_before :], kept_k[None], kept_v[None])
+    view.scatter(blocks[:, dead_after - order.dead_before :], kept_k[None], kept_v[None])
     row.outcome.writing = False
     row.outcome.compacted_layers += 1
     running = state.running.get(layer)
@@ -145,6 +152,106 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
         running.gather(keep)
     if row.logical_len >= opts.compress_point(row.prompt_len):
         state.queries.pop(layer, None)  # kv_prefill_evict keeps them for the next chunk's order
+
+
+def _preserve(row: RowPlan, view, blocks) -> None:
+    """Copy the stock KV the order is about to overwrite into its spare blocks (the scheduler
+    registers them in the prefix cache after the step, so this runs in every layer whether
+    or not anything is then written)."""
+    order = row.order
+    if order.preserve:
+        first = order.dead_before
+        src = blocks[0, [index - first for index, _ in order.preserve]]
+        dst = torch.tensor([b for _, b in order.preserve], dtype=src.dtype, device=src.device)
+        view.copy_blocks(src, dst)
+
+
+class DeferredLayer:
+    """One layer's part of an error target's order, until every layer has scored: its cache
+    view and block row, what its selection ranks by, and its estimate of each candidate."""
+
+    __slots__ = ("view", "blocks", "ranking", "curve")
+
+    def __init__(self, view, blocks, ranking, curve) -> None:
+        self.view, self.blocks, self.ranking, self.curve = view, blocks, ranking, curve
+
+
+def _candidates(row: RowPlan) -> list[int]:
+    """An error target's candidate dead-block counts, from the most blocks freed (the floor
+    budget's ``dead_after``) to none (``dead_before``): whole blocks only, as every order."""
+    return list(range(row.order.dead_after, row.order.dead_before - 1, -1))
+
+
+def _defer(plan, row: RowPlan, layer: str, q_rows, keys, values, view, blocks, geom) -> None:
+    """Score one layer for an error target and keep what the choice needs (nothing written).
+
+    Window pipelines score with the prompt's last queries, as at any compress point; the
+    error of each count is the change of those queries' outputs when the rest is evicted
+    (``estimate.window_error_curve``). A pipeline of every prompt query (h2o, with a score that
+    is a share of attention) loses the share of its summed scores it evicts.
+    """
+    state, pipeline, opts = row.state, row.state.pipeline, row.state.options
+    kept = torch.tensor([row.logical_len - d * row.block_size for d in _candidates(row)])
+    shape = {"recent": opts.recent, "sinks": opts.sinks, "per_head": opts.per_head}
+    if pipeline.window is None:
+        ranking = _scores(plan, row, layer, q_rows, keys, values, geom, True)
+        curve = estimate.share_curve(ranking, kept, **shape)
+    else:
+        device = keys.device
+        k_tok, v_tok = keys.transpose(0, 1), values.transpose(0, 1)  # [N, Hkv, D]
+        k_pos = state.dead * row.block_size + torch.arange(row.num_resident, device=device)
+        q = state.queries[layer]
+        q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
+        ranking = pipeline.prefill_scores(state.scorer, q, k_tok, v_tok, geom, q_pos, k_pos)
+        curve = estimate.window_error_curve(q, k_tok, v_tok, geom, ranking, kept, q_pos=q_pos,
+                                            k_pos=k_pos, **shape)  # fmt: skip
+    row.outcome.deferred[layer] = DeferredLayer(view, blocks, ranking, curve.cpu())
+
+
+def finish_deferred(plan: StepPlan, num_layers: int) -> None:
+    """Choose and write every error target's order of the step, after the forward pass.
+
+    All layers share one block table, so the count is chosen only once every layer has scored
+    (:func:`_defer` in each); nothing has been written or freed by then. The choice is the
+    fewest kept tokens whose estimate (the mean of the layers' curves) is at most the target
+    (:func:`obcache_vllm.scoring.estimate.choose`); then each layer gathers its resident K/V
+    again, selects that many and writes them, as an ordinary order would. Faults are contained
+    to the row as in the layers (a fault before the first write leaves the cache as it was).
+    """
+    start = time.perf_counter()
+    for row in plan.rows:
+        outcome = row.outcome
+        if not outcome.deferred or outcome.failure is not None:
+            continue
+        opts, order = row.state.options, row.order
+        try:
+            if len(outcome.deferred) != num_layers:
+                raise RuntimeError(f"{len(outcome.deferred)} of {num_layers} layers scored")
+            curve = torch.stack([d.curve for d in outcome.deferred.values()]).mean(dim=0)
+            index = estimate.choose(curve, order.max_error)
+        except Exception as exc:
+            outcome.fail("score", exc, "error target")
+            continue
+        dead_after = _candidates(row)[index]
+        kept = row.logical_len - dead_after * row.block_size
+        outcome.chosen = (dead_after, kept, float(curve[index]))
+        for layer, deferred in outcome.deferred.items():
+            try:
+                if dead_after == order.dead_before:  # nothing goes: only the spare copies
+                    _preserve(row, deferred.view, deferred.blocks)
+                    outcome.compacted_layers += 1
+                    row.state.queries.pop(layer, None)
+                    continue
+                keys, values = deferred.view.gather(deferred.blocks, row.num_resident)
+                keep = row.state.pipeline.select(deferred.ranking, keep=kept, recent=opts.recent,
+                                                 sinks=opts.sinks)  # fmt: skip
+                _compact(row, layer, deferred.view, deferred.blocks, keys[0], values[0], keep,
+                         dead_after)  # fmt: skip
+            except Exception as exc:  # contained: see the module docstring
+                outcome.fail("compact" if outcome.writing else "score", exc, layer)
+                break
+        outcome.deferred = {}
+    plan.timings.append(time.perf_counter() - start)
 
 
 def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:

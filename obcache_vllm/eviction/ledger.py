@@ -91,6 +91,8 @@ class RequestBlocks:
     blocks_freed: int = 0
     # Prompt tokens left after the prefill eviction (None: not evicted at prefill).
     kept_prompt: int | None = None
+    # An error target's choice, as the worker reported it: (tokens kept, estimated error).
+    chosen: tuple[int, float] | None = None
     # Why eviction stopped for this request ("stage: reason"); it then runs uncompressed.
     disabled: str | None = None
     # False when vLLM itself skips the prefix cache for it (e.g. prompt logprobs requested).
@@ -121,8 +123,10 @@ class RequestBlocks:
 
     @property
     def write_floor(self) -> int:
-        """The lowest block index any compaction of this request may write."""
-        if self.prefill_evicts:
+        """The lowest block index any compaction of this request may write (an error target
+        may keep its whole prompt, so it may write from its first block: it reads the prefix
+        cache by copying and feeds it only through preserved copies)."""
+        if self.prefill_evicts or self.options.max_error is not None:
             return 0
         return max(0, (self.point - self.options.budget) // self.block_size)
 
@@ -229,6 +233,8 @@ class RequestBlocks:
             block_size=self.block_size,
         )
         self.past_point = self.past_point or final
+        if order is not None and self.options.max_error is not None:
+            order = dataclasses.replace(order, max_error=self.options.max_error)
         return order
 
     def pressure_gain(self, logical_len: int) -> int:
@@ -278,6 +284,8 @@ class RequestBlocks:
         self.tokens_evicted = row.tokens_evicted
         if row.kept_prompt is not None:
             self.kept_prompt = row.kept_prompt
+        if row.chosen is not None:
+            self.chosen = row.chosen
         return freed
 
     def reset(self) -> None:
@@ -285,6 +293,7 @@ class RequestBlocks:
         self.dead = 0
         self.past_point = False
         self.kept_prompt = None
+        self.chosen = None
         self.start = None
         if self.pressure == "running":  # recomputed: as stock again until the pool is short
             self.pressure = self.pressure_at = None
@@ -313,7 +322,8 @@ class RequestBlocks:
             max_tokens=max_tokens,
             block_size=self.block_size,
             chunk=chunk,
-            budget=self.options.budget,
+            # An error target may keep everything: its worst case is a stock request's.
+            budget=None if self.options.max_error is not None else self.options.budget,
             decode=self.options.decode,
             prefill_evict=self.prefill_evicts or self.options.when == "pressure",
         )
@@ -337,6 +347,10 @@ class RequestBlocks:
         }
         if self.options.compress_at is not None:
             outcome["compress_at"] = self.options.compress_at
+        if self.options.max_error is not None:
+            outcome["max_error"] = self.options.max_error
+            if self.chosen is not None:
+                outcome["chosen_budget"], outcome["estimated_error"] = self.chosen
         start = self.start
         if start is not None and not start.compressed:
             outcome["cached_tokens"] = start.tokens
@@ -367,7 +381,12 @@ USAGE_FIELDS: dict[str, str] = {
     "prompt_tokens_kept": "prompt tokens left by the prefill eviction (`budget <= kept < "
     "budget + block size`); the prompt's length when nothing was evicted",
     "budget": "the budget used, in tokens (a fractional `kv_budget` resolved against the "
-    "prompt, or against `kv_compress_at`)",
+    "prompt, or against `kv_compress_at`; for an error target, its floor)",
+    "max_error": "an error target's `max_error`",
+    "chosen_budget": "an error target's choice: the tokens it kept per layer and KV head at the "
+    "prompt's end (absent: no block could go, nothing was chosen)",
+    "estimated_error": "an error target's estimate of its choice (mean over layers and KV "
+    "heads; see Budgets by error target), at most `max_error`",
     "scorer": "the scorer used",
     "pipeline": "the pipeline used",
     "compress_at": "where the prompt was compressed, when not at its end: the request's "

@@ -32,6 +32,15 @@ class EvictionOrder:
     # Ordered because the KV pool was short (kv_when "pressure"): scored with the queries the
     # worker remembered (its last prompt window and this step's), whatever the step.
     pressure: bool = False
+    # An error target (kv_budget {"max_error": e}): ``dead_after`` is then the most blocks that
+    # may go (the floor budget's); the worker, once every layer has scored, keeps the fewest
+    # whole blocks whose estimated error is at most e, and may write from ``dead_before`` up.
+    max_error: float | None = None
+
+    @property
+    def write_from(self) -> int:
+        """The lowest block index the worker may write for this order."""
+        return self.dead_before if self.max_error is not None else self.dead_after
 
     @property
     def resident_before(self) -> int:
@@ -59,6 +68,8 @@ class RowState:
     tokens_evicted: int
     # Prompt tokens left by the prefill eviction (None: no prefill eviction yet).
     kept_prompt: int | None = None
+    # An error target's choice: (tokens kept, the estimated error of that choice).
+    chosen: tuple[int, float] | None = None
 
 
 @dataclass(frozen=True)

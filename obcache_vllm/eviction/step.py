@@ -89,6 +89,8 @@ class RequestKvState:
     tokens_evicted: int = 0
     # Prompt tokens left by the prefill eviction (None: not evicted at prefill yet).
     kept_prompt: int | None = None
+    # An error target's choice at the prompt's end: (tokens kept, estimated error).
+    chosen: tuple[int, float] | None = None
     # Why eviction stopped for this request ("stage: reason"), after a contained fault.
     disabled: str | None = None
     # kv_when "pressure" and not compressed yet: it runs as stock (no scoring, no buffers).
@@ -112,6 +114,7 @@ class RequestKvState:
                 del self.record[key]
         self.dead = 0
         self.kept_prompt = None
+        self.chosen = None
         self.queries.clear()
         self.running.clear()
         self.decode_count = 0
@@ -189,6 +192,11 @@ class RowOutcome:
     writing: bool = False
     # A fault struck while a layer was being written: that layer may be half-written.
     touched: bool = False
+    # An error target's order (``EvictionOrder.max_error``): each layer's scores, kept here
+    # until every layer has scored (layer name -> eviction.layer.DeferredLayer), then the
+    # choice made from all of them: (dead_after, tokens kept, estimated error).
+    deferred: dict = field(default_factory=dict)
+    chosen: tuple[int, int, float] | None = None
 
     def fail(self, stage: str, exc: Exception, where: str) -> None:
         """Record the row's first contained fault (``reason``: the exception's type, or its

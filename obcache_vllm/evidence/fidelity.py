@@ -57,7 +57,7 @@ from obcache_vllm.evidence.forcing import ForceTokensProcessor, track_rows
 
 FIDELITY_KEY = "fidelity"
 FIDELITY_FQCN = "obcache_vllm.evidence.fidelity:FidelityProcessor"
-KINDS = ("bible", "code", "needle")
+KINDS = ("bible", "code", "needle", "repeated")
 SETTINGS = ("aware", "agnostic")
 PIPELINES = ("tova", "snapkv", "h2o", "streaming")
 SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint")
@@ -168,11 +168,14 @@ class Arm:
     budget: float | None = None
     setting: str | None = None
     decode: bool = False
+    # An error target (kv_budget {"max_error": e}) instead of the fractional ``budget``.
+    max_error: float | None = None
 
     def kv(self, sample: Sample) -> dict | None:
-        if self.budget is None:
+        if self.budget is None and self.max_error is None:
             return None
-        kv = {"kv_budget": self.budget, "kv_pipeline": self.pipeline, "kv_scorer": self.scorer,
+        budget = self.budget if self.max_error is None else {"max_error": self.max_error}
+        kv = {"kv_budget": budget, "kv_pipeline": self.pipeline, "kv_scorer": self.scorer,
               "kv_decode": self.decode}  # fmt: skip
         if takes_window(self.pipeline):
             kv["kv_window"] = 32
@@ -227,6 +230,18 @@ def make_samples(tokenizer, kinds, samples: int, prompt_tokens: int, question_to
                 ctx = tokenizer(context).input_ids[: prompt_tokens - 40]
                 q = tokenizer(question, add_special_tokens=False).input_ids
                 out.append(Sample(f"needle{i}", kind, tuple(ctx + q), len(ctx)))
+            continue
+        if kind == "repeated":  # redundant documents: one passage of 64-256 tokens, repeated
+            from obcache_vllm.evidence.perplexity import kjv_book
+
+            base = tokenizer(kjv_book(BOOKS[0])).input_ids
+            rng = random.Random(seed + 2000)
+            for i in range(samples):
+                period = rng.randrange(64, 257)
+                start = rng.randrange(len(base) - period)
+                unit = base[start : start + period]
+                ids = (unit * -(-prompt_tokens // period))[:prompt_tokens]
+                out.append(Sample(f"{kind}{i}", kind, tuple(ids), len(ids) - question_tokens))
             continue
         if kind == "bible":
             from obcache_vllm.evidence.perplexity import kjv_book

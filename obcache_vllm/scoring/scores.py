@@ -50,6 +50,10 @@ class Scorer:
     # Whether from_attention reads the logits Z (else softmax may overwrite them in place).
     needs_logits: ClassVar[bool] = False
     chunk_elements: int | None = None  # None: chunk_budget's default for the tensors' device
+    # Whether the score is a share of the attention the queries give each token, so that a
+    # sum of evicted scores over the total is the share of attention lost: what a budget by
+    # error target reads where no window of queries is kept (h2o; see scoring/estimate.py).
+    attention_share: ClassVar[bool] = False
 
     def __call__(
         self,
@@ -93,6 +97,7 @@ class AttentionMass(Scorer):
     """sum_r A[r, p]: the score of H2O, TOVA and SnapKV."""
 
     name = "attn"
+    attention_share = True
 
     def from_attention(self, att: WindowAttention) -> Tensor:
         return _sum_rows(att.probs)  # [Hkv, T]
@@ -102,6 +107,7 @@ class ValueNorm(Scorer):
     """sum_r A[r, p] * |v_p|_1: attention scaled by the value's l1 norm (VATP / CriticalKV)."""
 
     name = "value_norm"
+    attention_share = True
 
     def from_attention(self, att: WindowAttention) -> Tensor:
         return _sum_rows(att.probs).mul_(att.resident.value_l1)  # [Hkv, T]

@@ -173,6 +173,29 @@ def test_completions_fields_in_vllm_xargs_and_top_level_override(server: Server)
     assert 48 <= kv["prompt_tokens_kept"] < 48 + BLOCK
 
 
+def test_an_error_target_chooses_its_budget_and_reports_it(server: Server) -> None:
+    """``kv_budget: {"max_error": e}`` (an object at the top level, its scalar form in
+    ``vllm_xargs``): the server keeps the fewest whole blocks whose estimate is within e and
+    says what it chose in ``usage.obcache``; a looser target keeps fewer tokens."""
+    client = _client(server)
+    prompt = _long_text(14, seed=4)
+    chosen = {}
+    for e, body in ((0.002, {"kv_budget": {"max_error": 0.002}}),
+                    (0.05, {"vllm_xargs": {"kv_budget": "max_error:0.05"}})):  # fmt: skip
+        reply = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=4,
+            extra_body={**body, "kv_pipeline": "tova"},
+        )  # fmt: skip
+        kv = _obcache_usage(reply.usage)
+        n = reply.usage.prompt_tokens
+        assert kv["max_error"] == e and 0 <= kv["estimated_error"] <= e
+        assert kv["prompt_tokens_kept"] == kv["chosen_budget"]
+        assert (n - kv["chosen_budget"]) % BLOCK == 0
+        assert kv["freed_blocks"] * BLOCK == n - kv["chosen_budget"]
+        chosen[e] = kv["chosen_budget"]
+    assert chosen[0.05] < chosen[0.002], chosen
+
+
 def test_request_without_budget_reports_nothing_and_ratio_budget_applies(server: Server) -> None:
     client = _client(server)
     plain = client.completions.create(
@@ -211,6 +234,12 @@ BAD_INPUTS = [
     pytest.param({"kv_budget": 99999}, "kv_budget", id="beyond-context"),
     pytest.param({"kv_budget": 64, "kv_window": 4096}, "kv_window", id="window-beyond-context"),
     pytest.param({"vllm_xargs": {"kv_budget": -1}}, "kv_budget", id="in-vllm_xargs"),
+    pytest.param({"kv_budget": {"max_error": 0}}, "kv_budget", id="target-zero"),
+    pytest.param({"kv_budget": {"max_error": 0.1, "max": 5}}, "kv_budget", id="target-key"),
+    pytest.param({"kv_budget": {"max_error": 0.1}, "kv_pipeline": "streaming"}, "kv_budget",
+                 id="target-without-queries"),
+    pytest.param({"vllm_xargs": {"kv_budget": "max_error:-1"}}, "kv_budget",
+                 id="target-in-vllm_xargs"),
 ]
 
 

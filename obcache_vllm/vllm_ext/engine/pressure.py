@@ -85,7 +85,8 @@ class PressurePlanner:
             return {}
         running = [r for r in self.scheduler.running if r.request_id in output.num_scheduled_tokens]
         need_running = sum(self._next_need(r) for r in running)
-        freed = sum(o.blocks_freed for o in orders.values())
+        # An error target's order frees at most blocks_freed: counted as none (it may keep all).
+        freed = sum(o.blocks_freed for o in orders.values() if o.max_error is None)
         free = self.pool.pool.get_num_free_blocks() + freed
         # Blocks held for compressed contexts are given up before a running request is
         # preempted (PrefixAdapter.reclaim); for a waiting one while others run, only the

@@ -282,6 +282,13 @@ def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, a
             "not supported for requests with prompt embeddings (prompt_embeds)",
             options.budget,
         )
+    if options.max_error is not None and vllm_config.parallel_config.tensor_parallel_size > 1:
+        raise KvOptionsError(
+            "kv_budget",
+            "an error target is not supported with tensor parallelism yet (each rank would "
+            "choose from its own KV heads)",
+            options.requested_budget,
+        )
     if options.session and not vllm_config.cache_config.enable_prefix_caching:
         raise KvOptionsError(
             "kv_session",

@@ -39,7 +39,7 @@ def capacity_error(
         max_tokens=max_tokens,
         block_size=block_size,
         chunk=vllm_config.scheduler_config.max_num_batched_tokens,
-        budget=None if options is None else options.budget,
+        budget=None if options is None or options.max_error is not None else options.budget,
         decode=options is not None and options.decode,
         prefill_evict=bounded,
     )

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from obcache_vllm.eviction.layer import finish_deferred
 from obcache_vllm.eviction.messages import EvictionOrder, EvictionReport, RowFailure, RowState
 from obcache_vllm.eviction.oracle import KvOracle
 from obcache_vllm.eviction.step import (
@@ -260,6 +261,7 @@ class WorkerEviction:
         untracked, self._untracked = self._untracked, []
         if plan is None or not (plan.rows or untracked):
             return
+        finish_deferred(plan, num_layers)  # error targets: every layer has scored by now
         if tp_group is not None:  # every rank commits the same outcome (see agree_across_ranks)
             agree_across_ranks(plan.rows, num_layers, tp_group)
         applied, failures, states = [], [], {}
@@ -283,13 +285,19 @@ class WorkerEviction:
                     state.pressure_pending = False
                     if state.buffers_decode_queries and state.decode_slot is None:
                         state.decode_slot = self.queries.acquire()
-                state.dead = order.dead_after
-                state.evictions += 1
-                if state.record is not None:
-                    state.record.setdefault(":orders", []).append((order.logical_len, row.prefill))
-                state.tokens_evicted += order.tokens_evicted
+                dead_after, kept = order.dead_after, order.kept
+                if outcome.chosen is not None:  # an error target: what it chose
+                    dead_after, kept, estimated = outcome.chosen
+                    state.chosen = (kept, estimated)
+                if dead_after > state.dead:
+                    state.evictions += 1
+                    if state.record is not None:
+                        state.record.setdefault(":orders", []).append(
+                            (order.logical_len, row.prefill))  # fmt: skip
+                state.tokens_evicted += order.resident_before - kept
+                state.dead = dead_after
                 if order.logical_len <= row.prompt_len:  # during the prompt: the last one counts
-                    state.kept_prompt = order.kept + row.prompt_len - order.logical_len
+                    state.kept_prompt = kept + row.prompt_len - order.logical_len
                 applied.append(row.req_id)
             if failure is not None:
                 torn = outcome.torn(num_layers)
@@ -303,7 +311,8 @@ class WorkerEviction:
                     else "continues uncompressed",
                 )  # fmt: skip
             states[row.req_id] = RowState(
-                state.dead, state.evictions, state.tokens_evicted, state.kept_prompt
+                state.dead, state.evictions, state.tokens_evicted, state.kept_prompt,
+                state.chosen,
             )
         self.report = EvictionReport(
             applied=tuple(applied),

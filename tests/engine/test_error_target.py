@@ -1,0 +1,204 @@
+"""Budgets by error target (``kv_budget: {"max_error": e}``) on the real engine and model.
+
+What must hold: the kept count moves with the target and with the document; the estimate of
+the choice is at most the target; the choice is exactly the fixed budget it amounts to (same
+kept tokens in every layer, same output); requests in flight together get what they get alone;
+a fault degrades only its request; and the pool is whole (vLLM's free-block count) after each.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from support.engine import POOL_BLOCKS
+from support.texts import haystack
+
+BS = 32
+TOVA = {"kv_pipeline": "tova", "kv_scorer": "obcache_key"}
+
+
+@pytest.fixture(scope="module")
+def docs(tokenizer) -> dict[str, list[int]]:
+    """A dense document (seeded prose of many distinct facts) and a redundant one (one
+    sentence over and over), both prefilled in several chunks."""
+    out = {
+        "dense": tokenizer(haystack(20, seed=3)).input_ids,
+        "redundant": tokenizer("The cat sat on the mat. " * 100).input_ids,
+    }
+    assert all(600 <= len(ids) <= 800 for ids in out.values()), {k: len(v) for k, v in out.items()}
+    return out
+
+
+def _params(kv: dict | None, max_tokens: int = 8, **extra):
+    from vllm import SamplingParams
+
+    extra_args = {**(kv or {}), **extra} or None
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                          extra_args=extra_args)  # fmt: skip
+
+
+def _run(engine, batch: list[tuple[list[int], dict | None]], **extra):
+    """One generate call (the requests in flight together); the pool is whole after it."""
+    assert engine.llm.reset_prefix_cache()
+    prompts = [{"prompt_token_ids": ids} for ids, _ in batch]
+    outs = engine.llm.generate(prompts, [_params(kv, **extra) for _, kv in batch],
+                               use_tqdm=False)  # fmt: skip
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert engine.free_blocks() == POOL_BLOCKS - 1
+    return outs
+
+
+def _outcome(out) -> dict:
+    return out.kv_transfer_params["obcache"]
+
+
+def _target(e: float, **kv) -> dict:
+    return {"kv_budget": {"max_error": e}, **TOVA, **kv}
+
+
+def test_the_choice_moves_with_the_target(engine, docs) -> None:
+    ids = docs["dense"]
+    n = len(ids)
+    chosen = []
+    for e in (0.001, 0.005, 0.02, 0.2):
+        (out,) = _run(engine, [(ids, _target(e))])
+        kv = _outcome(out)
+        kept, est = kv["chosen_budget"], kv["estimated_error"]
+        assert kv["max_error"] == e and 0 <= est <= e
+        # Whole blocks only, never below the floor (sinks + recent + 1 = 21 tokens).
+        assert (n - kept) % BS == 0 and 21 <= kept <= n
+        assert kv["prompt_tokens_kept"] == kept
+        assert kv["freed_blocks"] * BS == kv["evicted_tokens"] == n - kept
+        assert kv["resident_tokens"] == kept + 8 - 1
+        chosen.append(kept)
+    assert chosen == sorted(chosen, reverse=True), chosen
+    assert chosen[0] > 2 * chosen[-1], chosen  # a looser target keeps far fewer tokens
+
+
+def test_the_choice_moves_with_the_document(engine, docs) -> None:
+    """The same target keeps a smaller share of a redundant document than of a dense one."""
+    share = {}
+    for name, ids in docs.items():
+        (out,) = _run(engine, [(ids, _target(0.01))])
+        share[name] = _outcome(out)["chosen_budget"] / len(ids)
+    assert share["redundant"] < 0.75 * share["dense"], share
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        pytest.param(TOVA, id="tova-obcache_key"),
+        pytest.param({"kv_pipeline": "snapkv", "kv_window": 8, "kv_scorer": "attn"},
+                     id="snapkv-attn"),
+        pytest.param({"kv_pipeline": "h2o", "kv_scorer": "attn", "kv_per_head": False},
+                     id="h2o-attn-shared"),
+        pytest.param({"kv_pipeline": "snapkv", "kv_window": 4, "kv_scorer": "obcache_joint",
+                      "kv_per_head": False}, id="snapkv-joint-shared"),
+    ],
+)  # fmt: skip
+def test_a_target_is_exactly_the_fixed_budget_it_chose(engine, docs, kv) -> None:
+    """Same kept positions in every layer and KV head, same tokens, as ``kv_budget`` = the
+    chosen count: the choice is the only thing a target adds."""
+    ids = docs["dense"]
+    records = engine.runner.obcache.records
+    before = set(records)
+    (target,) = _run(engine, [(ids, {"kv_budget": {"max_error": 0.01}, **kv})])
+    kept = _outcome(target)["chosen_budget"]
+    assert kept < len(ids)
+    mid = set(records)
+    (fixed,) = _run(engine, [(ids, {"kv_budget": kept, **kv})])
+    assert _outcome(fixed)["prompt_tokens_kept"] == kept
+    assert list(target.outputs[0].token_ids) == list(fixed.outputs[0].token_ids)
+    (rec_t,) = [records[r] for r in mid - before]
+    (rec_f,) = [records[r] for r in set(records) - mid]
+    layers = [k for k in rec_t if ":" not in k]
+    assert len(layers) == engine.runner.model_config.get_num_layers(
+        engine.runner.vllm_config.parallel_config)
+    for layer in layers:
+        assert rec_t[layer].shape[1] == kept
+        assert rec_t[layer + ":positions"].equal(rec_f[layer + ":positions"]), layer
+
+
+def test_targets_in_flight_together_get_what_they_get_alone(engine, docs) -> None:
+    """Targets on both documents, two identical targets, a fixed budget and a stock request in
+    the same steps: each gets exactly its tokens and its choice from a run of its own."""
+    batch = [
+        (docs["dense"], _target(0.01)),
+        (docs["redundant"], _target(0.01)),
+        (docs["dense"], _target(0.002, kv_scorer="attn")),
+        (docs["dense"], _target(0.01)),
+        (docs["redundant"], {"kv_budget": 96}),
+        (docs["dense"], None),
+    ]
+    together = _run(engine, batch)
+    for (ids, kv), out in zip(batch, together, strict=True):
+        (alone,) = _run(engine, [(ids, kv)])
+        assert list(out.outputs[0].token_ids) == list(alone.outputs[0].token_ids), kv
+        if kv is not None:
+            assert _outcome(out) == _outcome(alone), kv
+
+
+def test_a_target_reads_a_cached_prefix_without_writing_it(engine, docs) -> None:
+    """A target may keep its whole prompt, so it writes from its first block: a prefix-cache
+    hit is copied before it is written, and a stock request after it still reads intact KV."""
+    ids = docs["dense"]
+    question = ids + docs["redundant"][:40]
+    (stock_alone,) = _run(engine, [(question, None)])
+    outs = []
+    for kv in (None, _target(0.01), None):  # stock registers; the target hits; stock reads
+        outs.append(engine.llm.generate([{"prompt_token_ids": question}], _params(kv),
+                                        use_tqdm=False)[0])  # fmt: skip
+    assert _outcome(outs[1]).get("cached_tokens", 0) > 0
+    assert "fault" not in _outcome(outs[1]) and _outcome(outs[1])["chosen_budget"] < len(question)
+    assert list(outs[2].outputs[0].token_ids) == list(stock_alone.outputs[0].token_ids)
+    assert engine.free_blocks() <= POOL_BLOCKS - 1
+    assert engine.llm.reset_prefix_cache() and engine.free_blocks() == POOL_BLOCKS - 1
+
+
+@pytest.mark.parametrize(("fault", "fate"), [("score", "uncompressed"), ("compact:5", "error")])
+def test_a_fault_in_a_target_degrades_only_its_request(engine, docs, caplog, fault, fate):
+    batch = [(docs["dense"], _target(0.01)), (docs["redundant"], _target(0.01)),
+             (docs["redundant"], None)]  # fmt: skip
+    clean = _run(engine, batch)
+    totals = engine.scheduler.obcache_totals
+    failures = sum(totals.failures.values())
+    engine.llm.reset_prefix_cache()
+    from vllm import SamplingParams
+
+    params = [_params(kv) for _, kv in batch]
+    params[0] = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                               extra_args={**batch[0][1], "obcache_fault": fault})  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="obcache_vllm"):
+        outs = engine.llm.generate([{"prompt_token_ids": ids} for ids, _ in batch], params,
+                                   use_tqdm=False)  # fmt: skip
+    for i in (1, 2):
+        assert list(outs[i].outputs[0].token_ids) == list(clean[i].outputs[0].token_ids)
+    if fate == "uncompressed":
+        (stock,) = _run(engine, [(docs["dense"], None)])
+        assert list(outs[0].outputs[0].token_ids) == list(stock.outputs[0].token_ids)
+        assert "chosen_budget" not in _outcome(outs[0])
+    else:
+        assert outs[0].outputs[0].finish_reason == "error"
+    assert sum(totals.failures.values()) == failures + 1
+    assert any("stage=" in r.getMessage() for r in caplog.records)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+def test_a_target_that_keeps_everything_writes_nothing(engine, docs) -> None:
+    """A target below every candidate's estimate keeps the whole prompt: nothing is written,
+    no block is freed, its tokens are stock's, and a stock request after it reads the same
+    prompt exactly (a target feeds the prefix cache nothing but its order's spare copies)."""
+    ids = docs["dense"]
+    (stock_alone,) = _run(engine, [(ids, None)])
+    assert engine.llm.reset_prefix_cache()
+    (target,) = engine.llm.generate([{"prompt_token_ids": ids}], _params(_target(1e-12)),
+                                    use_tqdm=False)  # fmt: skip
+    kv = _outcome(target)
+    assert kv["chosen_budget"] == len(ids) and kv["estimated_error"] == 0.0
+    assert kv["freed_blocks"] == 0 and kv["evictions"] == 0
+    assert list(target.outputs[0].token_ids) == list(stock_alone.outputs[0].token_ids)
+    (reader,) = engine.llm.generate([{"prompt_token_ids": ids}], _params(None), use_tqdm=False)
+    assert list(reader.outputs[0].token_ids) == list(stock_alone.outputs[0].token_ids)
+    assert engine.llm.reset_prefix_cache() and engine.free_blocks() == POOL_BLOCKS - 1
