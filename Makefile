@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity \
-	lm-eval error-target
+	lm-eval error-target adakv
 
 setup:
 	@bash scripts/setup.sh
@@ -66,6 +66,14 @@ lm-eval: setup
 ERROR_TARGET_ARGS ?= --samples 8 --targets 0.001,0.003,0.01,0.03,0.1,0.3
 error-target: setup
 	$(PY) scripts/error_target_eval.py $(ERROR_TARGET_ARGS) --out results/error-target
+
+## AdaKV against uniform per-head snapkv with each scorer, measured in the HF reference by
+## per-head masking, and the blocks its per-head counts need under each block layout; report
+## in results/adakv (see docs/contributing/per_head_memory.md)
+ADAKV_ARGS ?=
+adakv: setup
+	$(PY) scripts/adakv_eval.py $(ADAKV_ARGS) --out results/adakv
+	$(PY) scripts/adakv_eval.py $(ADAKV_ARGS) --layout --out results/adakv
 
 lint: setup
 	$(VENV)/bin/ruff check .
