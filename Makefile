@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity \
-	lm-eval error-target adakv
+	lm-eval error-target adakv local-error
 
 setup:
 	@bash scripts/setup.sh
@@ -74,6 +74,11 @@ ADAKV_ARGS ?=
 adakv: setup
 	$(PY) scripts/adakv_eval.py $(ADAKV_ARGS) --out results/adakv
 	$(PY) scripts/adakv_eval.py $(ADAKV_ARGS) --layout --out results/adakv
+
+## The layer-local error each scorer's selection leaves (each layer's window attention-output
+## change, what OBCache's scores estimate), 1K and 2K prompts, HF reference; results/local-error
+local-error: setup
+	$(PY) scripts/local_error_eval.py --out results/local-error
 
 lint: setup
 	$(VENV)/bin/ruff check .
