@@ -39,10 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from obcache_vllm.evidence import fidelity as F  # noqa: E402
-
-
-def _csv(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x]
+from obcache_vllm.evidence.eval.command import csv_list as _csv  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

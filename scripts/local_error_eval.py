@@ -28,12 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from obcache_vllm.evidence import fidelity as F  # noqa: E402
+from obcache_vllm.evidence.eval.command import csv_list as _csv  # noqa: E402
 
-SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint")
-
-
-def _csv(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x]
+SCORERS = F.SCORERS
 
 
 def parse_args(argv=None) -> argparse.Namespace:

