@@ -23,10 +23,15 @@ scorer's difference to ``attn`` at the same pipeline, budget and setting, also p
 
 Inputs (``--kinds``): ``bible`` (books of the King James Bible, public domain, from Debian's
 ``bible-kjv``), ``code`` (Python's own standard-library source, shipped with every Python),
-``needle`` (the package's seeded haystacks with a question). A sample is ``--prompt-tokens``
-tokens of one text; query-agnostic arms (``agnostic``) compress at ``--question-tokens`` before
-the prompt's end (the needle's question; the last tokens of prose or code), as
-``kv_compress_at`` does for a question asked after a document.
+``needle`` (the package's seeded haystacks with a question), ``repeated`` (one passage over and
+over: a redundant document), ``chats`` (multi-turn conversations through the model's chat
+template: the user shares passages of the Bible or of code and asks about them, the assistant
+turns are the model's own greedy replies, and the last turn asks for the words after a phrase
+of an earlier passage; see :func:`chat_samples`). A sample is ``--prompt-tokens`` tokens of one
+text (needles and chats: at most that); query-agnostic arms (``agnostic``) compress at
+``--question-tokens`` before the prompt's end (the needle's question; the last tokens of prose
+or code; a chat's last user turn), as ``kv_compress_at`` does for a question asked after a
+document.
 
 Needs the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the command): the
 processor runs in the worker and leaves its numbers in this module's :data:`STORE`.
@@ -57,7 +62,7 @@ from obcache_vllm.evidence.forcing import ForceTokensProcessor, track_rows
 
 FIDELITY_KEY = "fidelity"
 FIDELITY_FQCN = "obcache_vllm.evidence.fidelity:FidelityProcessor"
-KINDS = ("bible", "code", "needle", "repeated")
+KINDS = ("bible", "code", "needle", "repeated", "chats")
 SETTINGS = ("aware", "agnostic")
 PIPELINES = ("tova", "snapkv", "h2o", "streaming")
 SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint")
@@ -216,11 +221,104 @@ def code_text() -> str:
     return "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in CODE_MODULES)
 
 
+CHAT_SYSTEM = "You are a careful reader. The user shares passages and asks about them."
+CHAT_ASKS = (
+    "Summarise this passage in two sentences.",
+    "What is the main point of this passage?",
+    "Name three people, places or terms that appear in it.",
+    "What happens, or what does the code do, in this passage?",
+)
+CHAT_ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
+CHAT_REPLY_TOKENS = 48
+
+
+def chat_ids(tokenizer, messages, generation_prompt: bool) -> list[int]:
+    """A conversation as the model's chat template writes it, tokenised once (the template's
+    text carries the special tokens)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                         tokenize=False)  # fmt: skip
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def chat_phrase(passage: str, rng: random.Random, words: int = 6) -> str:
+    """Up to ``words`` consecutive words of one line of ``passage``, verbatim (a line with at
+    least four words, not the last line: the passage goes on after it)."""
+    import re
+
+    lines = passage.splitlines()[:-1] or passage.splitlines()
+    lines = [ln for ln in lines if len(ln.split()) >= 4] or [passage]
+    line = lines[rng.randrange(len(lines))]
+    spans = [m.span() for m in re.finditer(r"\S+", line)]
+    at = rng.randrange(max(1, len(spans) - words + 1))
+    last = spans[min(len(spans), at + words) - 1]
+    return line[spans[at][0] : last[1]]
+
+
+def chat_samples(tokenizer, samples: int, prompt_tokens: int, reply, seed: int = 0) -> list[Sample]:
+    """``samples`` multi-turn chats of at most ``prompt_tokens`` tokens, written as a chat
+    client would: every user turn shares a passage (160-240 tokens of a KJV book for even
+    chats, of Python's standard library for odd ones) with a question about it, and the
+    assistant turn after it is the model's own greedy reply (``reply``: token-id prompts ->
+    texts, at most :data:`CHAT_REPLY_TOKENS` tokens; the full cache). Turns are added while one
+    more still fits; the last user turn quotes six words of an earlier passage and asks how it
+    goes on, so the answer lies far back in the context. ``point`` is where that last turn
+    starts (query-agnostic arms compress the conversation before the question)."""
+    from obcache_vllm.evidence.perplexity import kjv_book
+
+    rng = random.Random(seed + 3000)
+    sources = [tokenizer(kjv_book(BOOKS[1])).input_ids, tokenizer(code_text()).input_ids]
+    chats = []
+    for i in range(samples):
+        chats.append({"messages": [{"role": "system", "content": CHAT_SYSTEM}], "passages": [],
+                      "source": sources[i % 2], "open": True})  # fmt: skip
+    while any(c["open"] for c in chats):
+        turn = [c for c in chats if c["open"]]
+        for c in turn:
+            length = rng.randrange(160, 241)
+            start = rng.randrange(len(c["source"]) - length)
+            passage = tokenizer.decode(c["source"][start : start + length]).strip()
+            ask = CHAT_ASKS[len(c["passages"]) % len(CHAT_ASKS)]
+            grown = [*c["messages"], {"role": "user", "content": f"{passage}\n\n{ask}"}]
+            # Room for this turn, its reply and the closing question (about 60 tokens).
+            room = len(chat_ids(tokenizer, grown, True)) + CHAT_REPLY_TOKENS + 80
+            if room > prompt_tokens or len(c["passages"]) == len(CHAT_ORDINALS):
+                c["open"] = False
+                continue
+            c["messages"], c["pending"] = grown, True
+            c["passages"].append(passage)
+        asking = [c for c in turn if c.pop("pending", False)]
+        if not asking:
+            continue
+        texts = reply([chat_ids(tokenizer, c["messages"], True) for c in asking])
+        for c, text in zip(asking, texts, strict=True):
+            c["messages"].append({"role": "assistant", "content": text.strip()})
+    out = []
+    for i, c in enumerate(chats):
+        if len(c["passages"]) < 2:
+            raise ValueError(f"--prompt-tokens {prompt_tokens} leaves no room for two turns")
+        which = rng.randrange(len(c["passages"]) - 1)  # never the last one: far back
+        phrase = chat_phrase(c["passages"][which], rng)
+        question = (f'In the {CHAT_ORDINALS[which]} passage I shared, what comes right after '
+                    f'"{phrase}"? Quote the next sentence.')  # fmt: skip
+        head = chat_ids(tokenizer, c["messages"], False)
+        ids = chat_ids(tokenizer, [*c["messages"], {"role": "user", "content": question}], True)
+        if ids[: len(head)] != head:  # the template must append, not rewrite
+            raise ValueError("the chat template rewrites earlier turns: no compression point")
+        out.append(Sample(f"chats{i}", "chats", tuple(ids), len(head)))
+    return out
+
+
 def make_samples(tokenizer, kinds, samples: int, prompt_tokens: int, question_tokens: int,
-                 seed: int = 0) -> list[Sample]:  # fmt: skip
-    """``samples`` prompts of each kind, ``prompt_tokens`` long (needles: about as long)."""
+                 seed: int = 0, reply=None) -> list[Sample]:  # fmt: skip
+    """``samples`` prompts of each kind, ``prompt_tokens`` long (needles and chats: at most).
+    ``reply`` (token-id prompts -> greedy texts) writes the assistant turns of ``chats``."""
     out: list[Sample] = []
     for kind in kinds:
+        if kind == "chats":
+            if reply is None:
+                raise ValueError("chats need an engine to write the assistant turns (reply)")
+            out += chat_samples(tokenizer, samples, prompt_tokens, reply, seed)
+            continue
         if kind == "needle":
             from obcache_vllm.textgen import needle_parts
 
@@ -333,15 +431,17 @@ def _fmt(triple, digits=3) -> str:
 def render(results: dict) -> str:
     """fidelity.md: the command, the samples, one row per arm."""
     summary = results["summary"]
+    estimate = results.get("estimate")
     lines = [
         f"Command: `{results['command']}`  ",
         f"Model {results['model_name']}, {results['date']}, {results['seconds']:.0f} s; "
         f"{len(results['samples'])} prompts ({results['kinds']}), {results['prompt_tokens']} "
         f"tokens each, {results['tokens']} forced tokens (the full cache's greedy "
-        "continuation). Means over prompts with 95 % paired-bootstrap intervals.",
+        "continuation). Means over prompts with 95 % paired-bootstrap intervals."
+        + (f" KL: the {results['estimate']} estimate, a lower bound." if estimate else ""),
         "",
-        "| arm | kept fraction | KL(full ‖ arm), nats/token | top-1 agreement | first divergence "
-        "(token) | KL − attn's |",
+        f"| arm | kept fraction | KL(full ‖ arm){' estimate' if estimate else ''}, nats/token | "
+        "top-1 agreement | first divergence (token) | KL − attn's |",
         "|---|---|---|---|---|---|",
     ]
 
@@ -482,8 +582,23 @@ def run(llm, samples: Sequence[Sample], arm_list: Sequence[Arm], tokens: int,
     return result
 
 
+def greedy_replies(llm, max_tokens: int = CHAT_REPLY_TOKENS):
+    """The full cache's greedy replies to token-id prompts (the assistant turns of chats)."""
+
+    def reply(prompts: list[list[int]]) -> list[str]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+
+    return reply
+
+
 def main(args) -> int:
-    """``obcache-vllm eval fidelity`` (arguments from :mod:`obcache_vllm.evidence.eval.command`)."""
+    """``obcache-vllm eval fidelity`` (arguments from :mod:`obcache_vllm.evidence.eval.command`):
+    in process, over the whole vocabulary; with ``--server``, the top-k estimate over HTTP
+    (:mod:`obcache_vllm.evidence.fidelity_topk`)."""
     if args.report_only is not None:
         results = json.loads(args.report_only.read_text())
         for path in write_reports(results, args.out):
@@ -491,21 +606,39 @@ def main(args) -> int:
         return 0
     from obcache_vllm.evidence.perplexity import in_process_engine
 
-    args.model = in_process_engine(args.model)
+    if args.server:
+        from obcache_vllm import model as model_mod
+
+        args.model = args.model or str(model_mod.pull(log=lambda m: None))
+    else:
+        args.model = in_process_engine(args.model)
     from transformers import AutoTokenizer
-    from vllm import LLM
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    samples = make_samples(tok, args.kinds, args.samples, args.prompt_tokens,
-                           args.question_tokens, args.seed)  # fmt: skip
     arm_list = arms(args.pipelines, args.scorers, args.budgets, args.settings, args.decode)
+
+    def samples_with(reply):
+        return make_samples(tok, args.kinds, args.samples, args.prompt_tokens,
+                            args.question_tokens, args.seed, reply=reply)  # fmt: skip
+
     start = time.time()
-    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, block_size=32, seed=0,
-              max_model_len=args.prompt_tokens + args.tokens + 64,
-              max_num_seqs=args.max_batch, max_num_batched_tokens=args.chunk,
-              logits_processors=[FIDELITY_FQCN], logprobs_mode="raw_logprobs")  # fmt: skip
-    print(f"fidelity: {len(samples)} prompts x {len(arm_list)} arms", file=sys.stderr)
-    per_request = run(llm, samples, arm_list, args.tokens, progress=True)
+    extra: dict = {}
+    if args.server:
+        from obcache_vllm.evidence import fidelity_topk
+
+        got = fidelity_topk.main(args, tok, samples_with, arm_list)
+        samples, per_request = got.pop("samples"), got.pop("per_request")
+        extra = {"estimate": got["estimate"]}
+    else:
+        from vllm import LLM
+
+        llm = LLM(model=args.model, dtype="float32", enforce_eager=True, block_size=32, seed=0,
+                  max_model_len=args.prompt_tokens + args.tokens + 64,
+                  max_num_seqs=args.max_batch, max_num_batched_tokens=args.chunk,
+                  logits_processors=[FIDELITY_FQCN], logprobs_mode="raw_logprobs")  # fmt: skip
+        samples = samples_with(greedy_replies(llm))
+        print(f"fidelity: {len(samples)} prompts x {len(arm_list)} arms", file=sys.stderr)
+        per_request = run(llm, samples, arm_list, args.tokens, progress=True)
     names = [s.name for s in samples]
     results = {
         "command": "obcache-vllm eval fidelity " + " ".join(args.argv),
@@ -516,6 +649,7 @@ def main(args) -> int:
         "prompt_tokens": args.prompt_tokens,
         "question_tokens": args.question_tokens,
         "tokens": args.tokens,
+        **extra,
         "samples": [
             {"name": s.name, "kind": s.kind, "tokens": len(s.ids), "point": s.point}
             for s in samples

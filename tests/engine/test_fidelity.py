@@ -79,3 +79,63 @@ def test_summary_pairs_the_arms(outcome):
     for name, row in summary.items():
         mean, lo, hi = row["kl"]
         assert lo <= mean <= hi, name
+
+
+@pytest.fixture(scope="module")
+def estimate(engine, outcome):
+    """The top-k estimate (what `eval fidelity --server` computes from a server's answers) on
+    the same engine, prompts and arms, decode arms left out (decode cannot be forced there)."""
+    from obcache_vllm.evidence import fidelity_topk as ft
+
+    samples, arms, _ = outcome
+    arms = [a for a in arms if not a.decode]
+    return arms, ft.run(ft.EngineClient(engine.llm), samples, arms, TOKENS, k=20)
+
+
+def test_topk_estimate_reads_the_same_continuation_and_control(outcome, estimate):
+    samples, _, _ = outcome
+    _, got = estimate
+    for s in samples:
+        refs = fid.STORE.references[s.name]
+        assert got["full"][s.name]["continuation"] == [int(refs[i].argmax()) for i in range(TOKENS)]
+        assert got["full"][s.name]["kl_max"] < 1e-5 and got["full"][s.name]["agree"] == 1.0
+
+
+def test_topk_estimate_agrees_with_the_whole_vocabulary_measure(outcome, estimate):
+    """Top-1 agreement, first divergence and kept tokens are the offline run's exactly (the
+    prompt compressed at its end, then the continuation prefilled, attends to what decoding
+    it did); the KL estimate is a lower bound of the exact KL at every position and close to
+    it in the mean."""
+    samples, _, exact = outcome
+    arms, got = estimate
+    sums = [0.0, 0.0]
+    for arm in arms[1:]:
+        for s in samples:
+            e, g = exact[arm.name][s.name], got[arm.name][s.name]
+            assert g["agree"] == e["agree"] and g["first_divergence"] == e["first_divergence"]
+            assert g["kept_fraction"] == pytest.approx(e["kept_fraction"]), g["usage"]
+            for k_est, k_exact in zip(g["kl_by_position"], e["kl_by_position"], strict=True):
+                assert k_est <= k_exact + 1e-4, (arm.name, s.name)
+            sums[0] += g["kl"]
+            sums[1] += e["kl"]
+            assert g["covered"] > 0.5
+    print(f"top-20 KL estimate / exact KL: {sums[0] / sums[1]:.3f}")
+    assert sums[0] >= 0.8 * sums[1], sums
+
+
+def test_chats_are_written_by_the_model_and_measured(engine, tokenizer):
+    """The chats kind on the engine: the assistant turns are the model's own greedy replies,
+    and a query-agnostic arm compresses the conversation before its last question."""
+    reply = fid.greedy_replies(engine.llm)
+    samples = fid.make_samples(tokenizer, ["chats"], 1, 700, 32, seed=2, reply=reply)
+    (sample,) = samples
+    text = tokenizer.decode(sample.ids)
+    turns = text.split("<|im_start|>assistant\n")[1:-1]  # the replies, not the open last turn
+    assert len(turns) >= 2 and all(t.split("<|im_end|>")[0].strip() for t in turns)
+    arms = [fid.Arm("full"), fid.Arm("tova+obcache_key@0.3/agnostic", "tova", "obcache_key",
+                                     0.3, "agnostic")]  # fmt: skip
+    result = fid.run(engine.llm, samples, arms, TOKENS)
+    assert result["full"][sample.name]["kl_max"] < 1e-5
+    got = result[arms[1].name][sample.name]
+    assert got["usage"]["evictions"] >= 1 and got["usage"]["compress_at"] == sample.point
+    assert got["kept_fraction"] < 0.6

@@ -3,6 +3,8 @@ bootstrap and the report (no vLLM; the engine run is tests/engine/test_fidelity.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from obcache_vllm.evidence import fidelity as fid
@@ -88,3 +90,119 @@ def test_the_command_line_knows_the_same_kinds_and_scorers():
 
     assert command.FIDELITY_KINDS == fid.KINDS and command.FIDELITY_SETTINGS == fid.SETTINGS
     assert tuple(grid.SCORERS) == fid.SCORERS
+
+
+# --- the top-k estimate over HTTP (obcache_vllm.evidence.fidelity_topk) ---------------------
+
+
+def _listing(logp, k: int, extra: int | None = None):
+    """What the API returns for one position: the top k, plus token ``extra`` (the prompt's
+    own token, at its true rank)."""
+    import torch
+
+    order = torch.argsort(logp, descending=True).tolist()
+    rank = {t: r + 1 for r, t in enumerate(order)}
+    named = order[:k] + ([extra] if extra is not None and extra not in order[:k] else [])
+    return {t: (float(logp[t]), rank[t]) for t in named}
+
+
+def test_topk_kl_is_a_lower_bound_that_is_exact_with_the_whole_vocabulary():
+    import torch
+
+    from obcache_vllm.evidence import fidelity_topk as ft
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        p = torch.log_softmax(torch.randn(64, generator=gen, dtype=torch.float64) * 3, -1)
+        noise = torch.randn(64, generator=gen, dtype=torch.float64) * (trial % 5) * 0.5
+        q = torch.log_softmax(p + noise, -1)
+        exact = float((p.exp() * (p - q)).sum())
+        k = 1 + trial % 20
+        token = int(p.argmax())
+        got = ft.position_estimate(_listing(p, k, token), _listing(q, k, token))
+        assert -1e-9 <= got["kl"] <= exact + 1e-6, (trial, got, exact)
+        assert got["agree"] == (int(q.argmax()) == token)
+        assert got["logprob"] == pytest.approx(float(q[token]))
+        whole = ft.position_estimate(_listing(p, 64), _listing(q, 64))
+        assert whole["kl"] == pytest.approx(exact, abs=1e-6)
+        assert whole["covered"] == pytest.approx(1.0)
+
+
+def test_topk_estimate_of_identical_lists_is_zero_and_missing_tokens_go_to_the_rest_bin():
+    from obcache_vllm.evidence import fidelity_topk as ft
+
+    ref = {1: (-0.1, 1), 2: (-2.5, 2), 3: (-4.0, 3)}
+    got = ft.position_estimate(ref, dict(ref))
+    assert got["kl"] == pytest.approx(0.0, abs=1e-12) and got["agree"]
+    arm = {2: (-0.2, 1), 4: (-2.0, 2)}  # the reference's top token is not in the arm's list
+    got = ft.position_estimate(ref, arm)
+    assert not got["agree"] and got["logprob"] is None
+    assert got["covered"] == pytest.approx(math.exp(-2.5))
+    assert got["kl"] > 0.5
+
+
+def test_prompt_logprobs_are_parsed_and_the_continuation_positions_picked():
+    from obcache_vllm.evidence import fidelity_topk as ft
+
+    entry = {"17": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+             "3": {"logprob": -9.0, "rank": 41, "decoded_token": "b"}}  # fmt: skip
+    pos = ft.parse_position(entry)
+    assert pos == {17: (-0.5, 1), 3: (-9.0, 41)} and ft.top1(pos) == 17
+    assert ft.parse_position(None) is None
+    listing = [None, {1: (0.0, 1)}, {2: (0.0, 1)}, {3: (0.0, 1)}]
+    assert ft.request_positions(listing, 2, 2) == [{2: (0.0, 1)}, {3: (0.0, 1)}]
+    with pytest.raises(ValueError, match="position 0"):
+        ft.request_positions(listing, 0, 2)
+
+
+def test_arm_fields_compress_at_the_prompts_end_or_at_the_question():
+    from obcache_vllm.evidence import fidelity_topk as ft
+
+    sample = fid.Sample("s", "code", tuple(range(100)), 70)
+    aware = fid.Arm("a", "tova", "obcache_key", 0.2, "aware")
+    agnostic = fid.Arm("b", "snapkv", "attn", 0.2, "agnostic")
+    assert ft.arm_fields(fid.Arm("full"), sample, 100) is None
+    assert ft.arm_fields(aware, sample, 100)["kv_compress_at"] == 100
+    fields = ft.arm_fields(agnostic, sample, 100)
+    assert fields["kv_compress_at"] == 70 and fields["kv_window"] == 32
+    with pytest.raises(ValueError, match="kv_decode"):
+        ft.arm_fields(fid.Arm("c", "tova", "attn", 0.2, "aware", decode=True), sample, 100)
+    with pytest.raises(ValueError, match="error targets"):
+        ft.arm_fields(fid.Arm("d", "tova", "attn", None, "aware", max_error=0.1), sample, 100)
+
+
+def test_chats_are_template_conversations_asking_about_an_earlier_passage(model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    asked = []
+
+    def reply(prompts):
+        asked.append(len(prompts))
+        return [f"Reply {len(p)}." for p in prompts]
+
+    samples = fid.make_samples(tok, ["chats"], 2, 900, 32, seed=3, reply=reply)
+    again = fid.make_samples(tok, ["chats"], 2, 900, 32, seed=3, reply=reply)
+    assert samples == again and len(samples) == 2
+    assert len(asked) >= 2  # one reply call per round, every open chat in it
+    for s in samples:
+        assert s.kind == "chats" and len(s.ids) <= 900
+        text = tok.decode(s.ids)
+        assert text.count("<|im_start|>user") >= 3 and text.count("Reply ") >= 2
+        question = tok.decode(s.ids[s.point :])
+        assert question.startswith("<|im_start|>user") and "passage I shared" in question
+        assert text.rstrip().endswith("<|im_start|>assistant")
+        phrase = question.split('"')[1]
+        assert phrase in tok.decode(s.ids[: s.point])  # the quoted words are far back
+    with pytest.raises(ValueError, match="reply"):
+        fid.make_samples(tok, ["chats"], 1, 900, 32)
+
+
+def test_the_report_names_the_estimate():
+    row = {"kept_fraction": [1, 1, 1], "kl": [0, 0, 0], "agree": [1, 1, 1],
+           "first_divergence": [2, 2, 2]}  # fmt: skip
+    results = {"command": "c", "model_name": "m", "date": "d", "seconds": 1.0, "kinds": "code",
+               "prompt_tokens": 10, "tokens": 2, "samples": [{}], "estimate": "top-20 over HTTP",
+               "summary": {"full": row}}  # fmt: skip
+    text = fid.render(results)
+    assert "top-20 over HTTP estimate, a lower bound" in text and "KL(full ‖ arm) estimate" in text

