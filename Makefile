@@ -7,7 +7,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
-	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity \
+	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity fidelity-2k fidelity-chats fidelity-topk \
 	lm-eval error-target adakv local-error
 
 setup:
@@ -52,6 +52,19 @@ stress: setup
 FIDELITY_ARGS ?= --samples 6 --pipelines tova,snapkv,h2o,streaming --budgets 0.1,0.2,0.3,0.4 --settings aware,agnostic
 fidelity: setup
 	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --out results/fidelity
+
+## The same grid on 2,048-token prompts (results/fidelity-2k) and on multi-turn chats whose
+## assistant turns the model wrote (results/fidelity-chats)
+fidelity-2k: setup
+	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --prompt-tokens 2048 --out results/fidelity-2k
+fidelity-chats: setup
+	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --kinds chats --out results/fidelity-chats
+
+## How close the top-20 estimate that `eval fidelity --server` reports comes to the
+## whole-vocabulary measure, on the same engine, prompts and arms (results/fidelity-topk)
+FIDELITY_TOPK_ARGS ?= --samples 6 --pipelines tova,snapkv --scorers attn,obcache_key --budgets 0.1,0.3 --settings aware,agnostic
+fidelity-topk: setup
+	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_TOPK_ARGS) --check-topk 20 --out results/fidelity-topk
 
 ## EleutherAI's lm-evaluation-harness through the server: RULER tasks that build their data
 ## offline, one run per arm (kv_* fields as --gen_kwargs), full cache included; report in

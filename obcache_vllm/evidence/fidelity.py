@@ -460,6 +460,25 @@ def render(results: dict) -> str:
             f"| {arm} | {s['kept_fraction'][0]:.3f} | {_fmt(s['kl'], 4)} | "
             f"{_fmt(s['agree'], 3)} | {_fmt(s['first_divergence'], 1)} | {diff} |"
         )
+    check = results.get("topk_check")
+    if check:
+        lines += [
+            "",
+            f"The top-{check['k']} estimate (what `--server` measures) on the same engine, "
+            f"prompts and arms, against the whole-vocabulary measure above: estimated KL / KL "
+            f"{check['ratio']:.3f} pooled over {check['requests']} requests; the same top-1 "
+            f"agreement in {check['agree_same']:.1%} of them and the same first divergence in "
+            f"{check['first_same']:.1%}.",
+            "",
+            "| arm | estimated KL / KL | reference mass covered | same agreement | same first "
+            "divergence |",
+            "|---|---|---|---|---|",
+        ]
+        for arm in sorted(check["arms"], key=order):
+            c = check["arms"][arm]
+            ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
+            lines.append(f"| {arm} | {ratio} | {c['covered']:.3f} | {c['agree_same']:.0%} | "
+                         f"{c['first_same']:.0%} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -582,6 +601,31 @@ def run(llm, samples: Sequence[Sample], arm_list: Sequence[Arm], tokens: int,
     return result
 
 
+def topk_check(exact: dict[str, dict[str, dict]], estimate: dict[str, dict[str, dict]],
+               k: int) -> dict:  # fmt: skip
+    """How the top-k estimate (what ``--server`` measures) compares with the whole-vocabulary
+    measure on the same engine, prompts and arms: per arm the ratio of the mean KLs, and the
+    share of requests whose top-1 agreement and first divergence are the same."""
+    arms, pooled = {}, [0.0, 0.0, 0, 0, 0]
+    for arm, by_sample in estimate.items():
+        if arm == "full":
+            continue
+        est = sum(r["kl"] for r in by_sample.values())
+        ex = sum(exact[arm][s]["kl"] for s in by_sample)
+        agree = sum(r["agree"] == exact[arm][s]["agree"] for s, r in by_sample.items())
+        first = sum(r["first_divergence"] == exact[arm][s]["first_divergence"]
+                    for s, r in by_sample.items())  # fmt: skip
+        n = len(by_sample)
+        arms[arm] = {"ratio": est / ex if ex else None, "agree_same": agree / n,
+                     "first_same": first / n, "covered": sum(r["covered"] for r in
+                                                             by_sample.values()) / n}  # fmt: skip
+        for i, v in enumerate((est, ex, agree, first, n)):
+            pooled[i] += v
+    return {"k": k, "arms": arms, "ratio": pooled[0] / pooled[1] if pooled[1] else None,
+            "agree_same": pooled[2] / max(1, pooled[4]),
+            "first_same": pooled[3] / max(1, pooled[4]), "requests": pooled[4]}  # fmt: skip
+
+
 def greedy_replies(llm, max_tokens: int = CHAT_REPLY_TOKENS):
     """The full cache's greedy replies to token-id prompts (the assistant turns of chats)."""
 
@@ -639,6 +683,13 @@ def main(args) -> int:
         samples = samples_with(greedy_replies(llm))
         print(f"fidelity: {len(samples)} prompts x {len(arm_list)} arms", file=sys.stderr)
         per_request = run(llm, samples, arm_list, args.tokens, progress=True)
+        if args.check_topk:
+            from obcache_vllm.evidence import fidelity_topk
+
+            checked = [a for a in arm_list if not a.decode and a.max_error is None]
+            estimate = fidelity_topk.run(fidelity_topk.EngineClient(llm), samples, checked,
+                                         args.tokens, args.check_topk)  # fmt: skip
+            extra["topk_check"] = topk_check(per_request, estimate, args.check_topk)
     names = [s.name for s in samples]
     results = {
         "command": "obcache-vllm eval fidelity " + " ".join(args.argv),

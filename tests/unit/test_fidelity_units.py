@@ -206,3 +206,22 @@ def test_the_report_names_the_estimate():
                "summary": {"full": row}}  # fmt: skip
     text = fid.render(results)
     assert "top-20 over HTTP estimate, a lower bound" in text and "KL(full ‖ arm) estimate" in text
+
+
+def test_topk_check_pairs_the_two_measures_and_renders():
+    exact = {"tova+attn@0.1/aware": {"s0": {"kl": 0.2, "agree": 0.9, "first_divergence": 3},
+                             "s1": {"kl": 0.2, "agree": 1.0, "first_divergence": 8}}}
+    estimate = {"full": {}, "tova+attn@0.1/aware": {
+        "s0": {"kl": 0.1, "agree": 0.9, "first_divergence": 3, "covered": 0.9},
+        "s1": {"kl": 0.2, "agree": 0.8, "first_divergence": 8, "covered": 0.7}}}  # fmt: skip
+    check = fid.topk_check(exact, estimate, 20)
+    assert check["ratio"] == pytest.approx(0.75) and check["requests"] == 2
+    assert check["agree_same"] == 0.5 and check["first_same"] == 1.0
+    assert check["arms"]["tova+attn@0.1/aware"]["covered"] == pytest.approx(0.8)
+    row = {"kept_fraction": [1, 1, 1], "kl": [0, 0, 0], "agree": [1, 1, 1],
+           "first_divergence": [2, 2, 2]}  # fmt: skip
+    text = fid.render({"command": "c", "model_name": "m", "date": "d", "seconds": 1.0,
+                       "kinds": "code", "prompt_tokens": 10, "tokens": 2, "samples": [{}],
+                       "summary": {"full": row}, "topk_check": check})  # fmt: skip
+    assert "estimated KL / KL 0.750 pooled over 2 requests" in text
+    assert "| tova+attn@0.1/aware | 0.750 | 0.800 | 50% | 100% |" in text

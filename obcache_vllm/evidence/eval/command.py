@@ -135,6 +135,9 @@ def _fidelity_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default=None, metavar="URL",
                    help="measure through this OpenAI-compatible server instead of in process: "
                    "KL estimated from --top-k log-probabilities (a lower bound)")
+    p.add_argument("--check-topk", type=int, default=0, metavar="K",
+                   help="in process: also compute the top-K estimate --server would report, "
+                   "and compare it with the whole-vocabulary measure")
     p.add_argument("--top-k", type=int, default=20,
                    help="prompt_logprobs per position with --server (vLLM's --max-logprobs "
                    "caps it, 20 by default)")  # fmt: skip
