@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity fidelity-2k fidelity-chats fidelity-topk \
-	lm-eval error-target adakv local-error
+	lm-eval error-target adakv local-error head-layout
 
 setup:
 	@bash scripts/setup.sh
@@ -87,6 +87,11 @@ ADAKV_ARGS ?=
 adakv: setup
 	$(PY) scripts/adakv_eval.py $(ADAKV_ARGS) --out results/adakv
 	$(PY) scripts/adakv_eval.py $(ADAKV_ARGS) --layout --out results/adakv
+
+## What vLLM's CPU attention kernel pays when every KV head is its own sequence (per-head
+## memory), against the stock call at equal kept tokens, outputs checked; results/head-layout
+head-layout: setup
+	$(PY) benchmarks/bench_head_layout.py --out results/head-layout
 
 ## The layer-local error each scorer's selection leaves (each layer's window attention-output
 ## change, what OBCache's scores estimate), 1K and 2K prompts, HF reference; results/local-error

@@ -428,6 +428,14 @@ def _fmt(triple, digits=3) -> str:
     return f"{mean:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
+def _lengths(results: dict) -> str:
+    """"1024 tokens each", or the range where needles and chats make them differ."""
+    sizes = [s["tokens"] for s in results["samples"] if "tokens" in s]
+    if not sizes or min(sizes) == max(sizes):
+        return f"{sizes[0] if sizes else results['prompt_tokens']} tokens each"
+    return f"{min(sizes)}-{max(sizes)} tokens (mean {sum(sizes) / len(sizes):.0f})"
+
+
 def render(results: dict) -> str:
     """fidelity.md: the command, the samples, one row per arm."""
     summary = results["summary"]
@@ -435,8 +443,8 @@ def render(results: dict) -> str:
     lines = [
         f"Command: `{results['command']}`  ",
         f"Model {results['model_name']}, {results['date']}, {results['seconds']:.0f} s; "
-        f"{len(results['samples'])} prompts ({results['kinds']}), {results['prompt_tokens']} "
-        f"tokens each, {results['tokens']} forced tokens (the full cache's greedy "
+        f"{len(results['samples'])} prompts ({results['kinds']}), {_lengths(results)}, "
+        f"{results['tokens']} forced tokens (the full cache's greedy "
         "continuation). Means over prompts with 95 % paired-bootstrap intervals."
         + (f" KL: the {results['estimate']} estimate, a lower bound." if estimate else ""),
         "",
