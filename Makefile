@@ -53,10 +53,11 @@ FIDELITY_ARGS ?= --samples 6 --pipelines tova,snapkv,h2o,streaming --budgets 0.1
 fidelity: setup
 	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --out results/fidelity
 
-## The same grid on 2,048-token prompts (results/fidelity-2k) and on multi-turn chats whose
+## The same grid on 2,048-token prompts without h2o (its scoring of every prompt query is
+## quadratic; results/fidelity-2k) and on multi-turn chats whose
 ## assistant turns the model wrote (results/fidelity-chats)
 fidelity-2k: setup
-	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --prompt-tokens 2048 --out results/fidelity-2k
+	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --pipelines tova,snapkv,streaming --prompt-tokens 2048 --out results/fidelity-2k
 fidelity-chats: setup
 	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --kinds chats --out results/fidelity-chats
 

@@ -110,8 +110,14 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("results/bench-pressure"))
+    ap.add_argument("--replot", action="store_true",
+                    help="redraw pressure_timeline.png from --out's pressure.json, run nothing")
     args = common.parse(ap, worker)
     if args is None:
+        return 0
+    if args.replot:
+        results = json.loads((args.out / "pressure.json").read_text())
+        plot(results, args.out / "pressure_timeline.png")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -158,6 +164,8 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
+    """The rise-fall workload over time: the KV pool used, then each cumulative count that is
+    not zero in every arm (a count that never moved is named in the title instead)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,18 +174,29 @@ def plot(results: dict, path: Path) -> None:
     arms = results.get("rise-fall")
     if not arms:
         return
-    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    counts = [(4, "preemptions (cumulative)"),
+              (5, "compressions under\npressure (cumulative)")]  # fmt: skip
+    shown = [(i, label) for i, label in counts
+             if any(s[i] for r in arms.values() for s in r["timeline"])]  # fmt: skip
+    zero = [label.replace("\n", " ").split(" (")[0] for i, label in counts
+            if (i, label) not in shown]  # fmt: skip
+    fig, axes = plt.subplots(1 + len(shown), 1, figsize=(9, 3.2 + 2.4 * len(shown)), sharex=True,
+                             squeeze=False, height_ratios=[1.4] + [1] * len(shown))  # fmt: skip
+    axes = axes[:, 0]
     for arm, r in arms.items():
         t = [s[0] for s in r["timeline"]]
         axes[0].plot(t, [s[1] for s in r["timeline"]], label=arm)
-        axes[1].plot(t, [s[4] for s in r["timeline"]], label=arm)
-        axes[2].plot(t, [s[5] for s in r["timeline"]], label=arm)
+        for ax, (i, _) in zip(axes[1:], shown, strict=True):
+            ax.plot(t, [s[i] for s in r["timeline"]], label=arm)
     axes[0].set_ylabel("KV pool used")
-    axes[1].set_ylabel("preemptions (cumulative)")
-    axes[2].set_ylabel("compressions under\npressure (cumulative)")
-    axes[2].set_xlabel("seconds")
+    for ax, (_, label) in zip(axes[1:], shown, strict=True):
+        ax.set_ylabel(label)
+    axes[-1].set_xlabel("seconds")
     axes[0].legend()
-    axes[0].set_title("A load that rises then falls (96-block pool)")
+    title = "A load that rises then falls (96-block pool)"
+    if zero:
+        title += f"; no {' and no '.join(zero)} in any arm"
+    axes[0].set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -118,6 +118,12 @@ def test_the_site_builds_strictly_and_serves_the_linked_results(tmp_path: Path) 
     assert (site / "index.html").is_file()
     missing = [target for target in _results_links() if not (site / target).is_file()]
     assert not missing, f"linked results/ files not in the built site: {missing}"
+    # Wide result tables wrap in the page instead of scrolling columns out of sight: every
+    # page carries the stylesheet that says so (docs/stylesheets/extra.css).
+    css = (site / "stylesheets" / "extra.css").read_text()
+    assert ".md-typeset__table table:not([class])" in css and "overflow-wrap: anywhere" in css
+    page = (site / "evidence" / "fidelity" / "index.html").read_text()
+    assert "stylesheets/extra.css" in page
 
 
 def test_every_included_or_linked_results_file_exists() -> None:

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from obcache_vllm.evidence.eval.cells import FULL, Cell, load_results
+from obcache_vllm.evidence.eval.grid import SCORERS
 
 Z95 = 1.959963984540054
 
@@ -203,52 +204,94 @@ def comparison(rows: Sequence[dict]) -> list[str]:
 
 
 def plot(rows: Sequence[dict], directory: Path) -> list[Path]:
-    """One PNG per (engine, task, length): accuracy vs budget, one panel per setting."""
+    """One PNG per (engine, task, length): accuracy vs budget, a row of panels per pipeline and
+    a column per setting. Within a panel the colour is the scorer (the same in every panel)
+    and the line style the variant (window, shared ranking), so no two lines look alike."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    palette = plt.get_cmap("tab10").colors
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"),
+              ((0, (1, 1)), "P"), ((0, (8, 2)), "X"), ((0, (3, 1, 1, 1, 1, 1)), "*")]
     paths = []
     rows = largest_samples(rows)
     keys = sorted({(r["engine"], r["task"], r["length"]) for r in rows if r["pipeline"] != FULL})
     for engine, task, length in keys:
         mine = [r for r in rows if (r["engine"], r["task"], r["length"]) == (engine, task, length)]
-        settings = sorted({r["setting"] for r in mine if r["pipeline"] != FULL})
-        n_methods = max(len({r["method"] for r in mine if r["setting"] == s}) for s in settings)
-        height = max(4.5, 0.17 * n_methods + 1.0)  # room for the legend
-        fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings) + 2.5, height),
-                                 squeeze=False, sharey=True)  # fmt: skip
+        scored = [r for r in mine if r["pipeline"] != FULL]
+        settings = sorted({r["setting"] for r in scored})
+        pipelines = sorted({r["pipeline"] for r in scored})
+        # The same colour for a scorer in every plot: the grid's order, then any other.
+        known = [*SCORERS, "-"]
+        scorers = known + sorted({r["scorer"] for r in scored} - set(known))
+        colour = {sc: palette[i % len(palette)] for i, sc in enumerate(scorers)}
+        fig, axes = plt.subplots(len(pipelines), len(settings), squeeze=False, sharex=True,
+                                 sharey=True, figsize=(5.2 * len(settings) + 3.2,
+                                                       2.6 * len(pipelines) + 0.8))  # fmt: skip
         full = [r for r in mine if r["pipeline"] == FULL]
-        for ax, setting in zip(axes[0], settings, strict=True):
-            methods = sorted({r["method"] for r in mine if r["setting"] == setting})
-            for i, method in enumerate(methods):
-                # A small x offset per method, so that overlapping error bars stay readable.
-                shift = (i - (len(methods) - 1) / 2) * 0.4
-                pts = sorted(((r["budget"], r) for r in mine
-                              if r["setting"] == setting and r["method"] == method),
-                             key=lambda t: t[0])  # fmt: skip
-                xs = [b * 100 + shift for b, _ in pts]
-                ys = [r["accuracy"] for _, r in pts]
-                err = [[y - r["ci95"][0] for y, (_, r) in zip(ys, pts, strict=True)],
-                       [r["ci95"][1] - y for y, (_, r) in zip(ys, pts, strict=True)]]
-                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method, alpha=0.85)
-            if full:
-                f = full[0]
-                ax.axhline(f["accuracy"], color="black", linestyle="--", label="full cache")
-                ax.axhspan(*f["ci95"], color="grey", alpha=0.15)
-            ax.set_title(f"{task}, {length} tokens, {setting}")
-            ax.set_xlabel("KV budget (% of document tokens)")
-            ax.set_ylim(-0.03, 1.03)
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel(f"accuracy ({engine}, 95 % CI)")
-        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-        fig.tight_layout()
+        for row, pipeline in enumerate(pipelines):
+            in_row = [r for r in scored if r["pipeline"] == pipeline]
+            # Styles per row, so a variant looks the same in both settings.
+            variants = sorted({_variant(r["method"], pipeline, r["scorer"]) for r in in_row})
+            style = {v: styles[i % len(styles)] for i, v in enumerate(variants)}
+            for col, setting in enumerate(settings):
+                ax = axes[row][col]
+                here = [r for r in in_row if r["setting"] == setting]
+                methods = sorted({r["method"] for r in here})
+                for i, method in enumerate(methods):
+                    pts = sorted(((r["budget"], r) for r in here if r["method"] == method),
+                                 key=lambda t: t[0])  # fmt: skip
+                    scorer = pts[0][1]["scorer"]
+                    line, marker = style[_variant(method, pipeline, scorer)]
+                    # A small x offset per method keeps overlapping error bars readable.
+                    shift = (i - (len(methods) - 1) / 2) * 0.35
+                    xs = [b * 100 + shift for b, _ in pts]
+                    ys = [r["accuracy"] for _, r in pts]
+                    err = [[y - r["ci95"][0] for y, (_, r) in zip(ys, pts, strict=True)],
+                           [r["ci95"][1] - y for y, (_, r) in zip(ys, pts, strict=True)]]
+                    ax.errorbar(xs, ys, yerr=err, color=colour[scorer], linestyle=line,
+                                marker=marker, capsize=2, alpha=0.85)  # fmt: skip
+                if full:
+                    ax.axhline(full[0]["accuracy"], color="black", linestyle="--", lw=1)
+                    ax.axhspan(*full[0]["ci95"], color="grey", alpha=0.15)
+                ax.set_title(f"{pipeline}, {setting}", fontsize=10)
+                ax.set_ylim(-0.03, 1.03)
+                ax.grid(alpha=0.3)
+                if row == len(pipelines) - 1:
+                    ax.set_xlabel("KV budget (% of document tokens)")
+                if col == 0:
+                    ax.set_ylabel("accuracy")
+            # One legend per row: the colours (scorers), then the styles (variants).
+            from matplotlib.lines import Line2D
+
+            handles = [Line2D([], [], color=colour[sc], marker="o", label=sc if sc != "-"
+                              else "no scorer")
+                       for sc in sorted({r["scorer"] for r in in_row})]  # fmt: skip
+            if len(variants) > 1:
+                handles += [Line2D([], [], color="grey", linestyle=style[v][0],
+                                   marker=style[v][1], label=v or "per head")
+                            for v in variants]  # fmt: skip
+            if full and row == 0:
+                handles.append(Line2D([], [], color="black", linestyle="--", label="full cache"))
+            axes[row][-1].legend(handles=handles, fontsize=7, loc="upper left",
+                                 bbox_to_anchor=(1.02, 1.0))  # fmt: skip
+        fig.suptitle(f"{task}, {length} tokens ({engine}; 95 % intervals)", fontsize=11)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # room for the title
         path = directory / f"{engine}_{task}_{length}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _variant(method: str, pipeline: str, scorer: str) -> str:
+    """What a method adds to its pipeline and scorer ("+w1/shared" -> "w1 shared")."""
+    if method == pipeline:  # streaming: no scorer, no variant
+        return ""
+    rest = method.removeprefix(f"{pipeline}/").removeprefix(scorer)
+    return " ".join(p for p in rest.replace("+", "/").split("/") if p)
 
 
 def write_report(directory: Path) -> list[Path]:
