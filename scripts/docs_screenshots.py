@@ -1,6 +1,6 @@
 """Screenshots of the built documentation site, for reviewing how pages render (wide tables,
 plots) without serving it: builds the site into a temporary directory and has headless
-Chromium capture each page, scrolled to its anchor, into ``results/docs/<name>.png``.
+Chromium capture each page, from its anchor on, into ``results/docs/<name>.png``.
 
 Needs ``chromium`` on the PATH (Debian: ``apt-get install chromium``); nothing else is
 downloaded. The PNGs are reduced to 256 colours to keep the repository small.
@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -60,7 +61,16 @@ def main() -> int:
             html = site / path / "index.html"
             if not html.exists():
                 sys.exit(f"docs_screenshots: {html} was not built")
-            url = html.as_uri() + (f"#{anchor}" if anchor else "")
+            if anchor:
+                # Headless Chromium captures the top of the document whatever the scroll, so
+                # a copy of the page drops what comes before the anchor's heading instead.
+                trim = (f"<script>const t = document.getElementById({json.dumps(anchor)});"
+                        "while (t && t.previousElementSibling) t.previousElementSibling.remove();"
+                        "</script></body>")  # fmt: skip
+                copy = html.with_name(f"index.{anchor}.html")
+                copy.write_text(html.read_text().replace("</body>", trim, 1))
+                html = copy
+            url = html.as_uri()
             png = args.out / f"{name_of(page)}.png"
             subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
                             "--hide-scrollbars", f"--window-size={args.size}",

@@ -514,9 +514,12 @@ def plot(results: dict, path: Path) -> Path | None:
                       else 99)  # fmt: skip
     pipelines = sorted({k[1] for k in series})
     scorers = sorted({k[2] for k in series})
-    colours = dict(zip(scorers, plt.get_cmap("tab10").colors, strict=False))
+    # Fixed across runs (a run without h2o draws snapkv as every other run does).
+    known = sorted(PIPELINES) + sorted(set(pipelines) - set(PIPELINES))
+    styles = dict(zip(known, ["-", "--", ":", "-.", (0, (5, 1))], strict=False))
+    known = sorted(SCORERS) + sorted(set(scorers) - set(SCORERS) - {"-"})
+    colours = dict(zip(known, plt.get_cmap("tab10").colors, strict=False))
     colours["-"] = "black"  # streaming: no scorer
-    styles = dict(zip(pipelines, ["-", "--", ":", "-.", (0, (5, 1))], strict=False))
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 5), sharey=True,
                              squeeze=False)  # fmt: skip
     for ax, setting in zip(axes[0], settings, strict=True):
