@@ -313,3 +313,34 @@ def test_the_reference_pages_are_generated_from_the_code() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_reference.py"),
                            "--check"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _figures_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("figures", ROOT / "scripts" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_annotated_figure_equals_its_source() -> None:
+    """Figures carrying ``<!--fig PATH KEYS SPEC [xN]-->`` equal what their results file
+    gives (scripts/figures.py --write rewrites them after a rerun)."""
+    figures = _figures_module()
+    assert figures.count() >= 20
+    bad = figures.check()
+    assert not bad, "\n".join(bad)
+
+
+def test_figures_are_checked_and_rewritten_from_their_source(tmp_path: Path) -> None:
+    figures = _figures_module()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text('{"a": {"x@0.1/aware": [0.8523, 3]}, "n": 1602}')
+    text = ("kept 85<!--fig results/r.json a|x@0.1/aware|0 .0f x100--> % of 1,602<!--fig "
+            "results/r.json n ,d--> and -0.5<!--fig results/r.json a|x@0.1/aware|1 +.1f-->")
+    found = [(m["num"], want) for m, want in figures.figures(text, tmp_path)]
+    assert found == [("85", "85"), ("1,602", "1,602"), ("-0.5", "+3.0")]
+    fixed = figures.rewrite(text, tmp_path)
+    assert "+3.0<!--fig" in fixed and "85<!--fig" in fixed
+    assert all(m["num"] == want for m, want in figures.figures(fixed, tmp_path))
