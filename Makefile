@@ -53,11 +53,13 @@ FIDELITY_ARGS ?= --samples 6 --pipelines tova,snapkv,h2o,streaming --budgets 0.1
 fidelity: setup
 	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --out results/fidelity
 
-## The same grid on 2,048-token prompts without h2o (its scoring of every prompt query is
-## quadratic; results/fidelity-2k) and on multi-turn chats whose
+## The same grid on 2,048-token prompts (results/fidelity-2k; h2o, whose scoring of every
+## prompt query is quadratic, with three scores at 10 and 20 %: results/fidelity-2k-h2o) and
+## on multi-turn chats whose
 ## assistant turns the model wrote (results/fidelity-chats)
 fidelity-2k: setup
 	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --pipelines tova,snapkv,streaming --prompt-tokens 2048 --out results/fidelity-2k
+	$(VENV)/bin/obcache-vllm eval fidelity --samples 6 --pipelines h2o --scorers attn,obcache_key,obcache_joint --budgets 0.1,0.2 --settings aware,agnostic --prompt-tokens 2048 --max-batch 16 --out results/fidelity-2k-h2o
 fidelity-chats: setup
 	$(VENV)/bin/obcache-vllm eval fidelity $(FIDELITY_ARGS) --kinds chats --out results/fidelity-chats
 
