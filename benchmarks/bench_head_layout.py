@@ -69,12 +69,13 @@ def attend(query, cache, block_table, seq_lens, query_lens, heads, kv_heads, isa
     return out
 
 
-def setup(requests: int, kept: list[int], chunk: int, dtype: torch.dtype, seed: int = 0):
-    """A cache holding ``requests`` sequences whose head ``h`` keeps ``kept[h]`` tokens (the
-    chunk's queries included), each (request, head) in its own head-blocks, and the stock
-    table: request r's block j (every head) where the widest head needs it."""
+def setup(requests: int, widest: int, chunk: int, dtype: torch.dtype, seed: int = 0):
+    """A cache with room for ``requests`` sequences of up to ``widest`` tokens per head (the
+    chunk's queries included) at scattered blocks, the stock table (request r's blocks, every
+    head) and the head-block table (block b's head h is head-block b * Hkv + h), and the
+    chunk's queries."""
     gen = torch.Generator().manual_seed(seed)
-    width = -(-max(kept) // BS)
+    width = -(-widest // BS)
     blocks = requests * width + 1
     cache = (torch.randn(blocks, HKV, BS, 2 * D, generator=gen) * 0.5).to(dtype)
     order = torch.randperm(blocks - 1, generator=gen)[: requests * width] + 1  # not block 0
@@ -105,7 +106,7 @@ def check_case(requests: int, tokens: int, chunk: int, dtype: torch.dtype) -> di
     isa = _isa(dtype)
     even = [tokens] * HKV
     uneven = [int(tokens * 1.6), tokens, tokens * HKV - int(tokens * 1.6) - tokens]
-    cache, stock_table, head_table, query = setup(requests, [max(even + uneven)], chunk, dtype)
+    cache, stock_table, head_table, query = setup(requests, max(even + uneven), chunk, dtype)
     heads_view = cache.view(cache.shape[0] * HKV, 1, BS, 2 * D)
 
     def stock():

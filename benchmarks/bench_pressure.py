@@ -174,12 +174,14 @@ def plot(results: dict, path: Path) -> None:
     arms = results.get("rise-fall")
     if not arms:
         return
-    counts = [(4, "preemptions (cumulative)"),
-              (5, "compressions under\npressure (cumulative)")]  # fmt: skip
-    shown = [(i, label) for i, label in counts
-             if any(s[i] for r in arms.values() for s in r["timeline"])]  # fmt: skip
-    zero = [label.replace("\n", " ").split(" (")[0] for i, label in counts
-            if (i, label) not in shown]  # fmt: skip
+    # (timeline column, what it counts, the axis label)
+    counts = [
+        (4, "preemptions", "preemptions (cumulative)"),
+        (5, "compressions under pressure", "compressions under\npressure (cumulative)"),
+    ]
+    moved = {i for i, _, _ in counts if any(s[i] for r in arms.values() for s in r["timeline"])}
+    shown = [(i, label) for i, _, label in counts if i in moved]
+    zero = [name for i, name, _ in counts if i not in moved]
     fig, axes = plt.subplots(1 + len(shown), 1, figsize=(9, 3.2 + 2.4 * len(shown)), sharex=True,
                              squeeze=False, height_ratios=[1.4] + [1] * len(shown))  # fmt: skip
     axes = axes[:, 0]

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from obcache_vllm.evidence import fidelity as F  # noqa: E402
 from obcache_vllm.evidence.eval.command import csv_list as _csv  # noqa: E402
+from obcache_vllm.evidence.eval.command import parse_script_args  # noqa: E402
 
 SCORERS = F.SCORERS
 
@@ -49,16 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--settings", type=_csv(str), default=["aware", "agnostic"])
     ap.add_argument("--window", type=int, default=32, help="snapkv's window (as eval fidelity)")
     ap.add_argument("--alpha", type=float, default=0.2, help="AdaKV's per-head safeguard")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "adakv")
-    ap.add_argument("--report-only", type=Path, default=None)
     ap.add_argument("--layout", action="store_true",
                     help="instead: the blocks AdaKV's per-head counts need under each block "
                     "layout, relative to uniform (OUT/layout.{json,md})")
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else argv
-    return args
+    return parse_script_args(ap, ROOT / "results" / "adakv", argv)
 
 
 def measure(args) -> dict:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from obcache_vllm.evidence import fidelity as F  # noqa: E402
 from obcache_vllm.evidence.eval.command import csv_list as _csv  # noqa: E402
+from obcache_vllm.evidence.eval.command import parse_script_args  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,13 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--targets", type=_csv(float), default=[0.001, 0.003, 0.01, 0.03, 0.1, 0.3])
     ap.add_argument("--grid", type=_csv(float), default=[0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6])
     ap.add_argument("--max-batch", type=int, default=16)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "error-target")
-    ap.add_argument("--report-only", type=Path, default=None)
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else argv
-    return args
+    return parse_script_args(ap, ROOT / "results" / "error-target", argv)
 
 
 def _target_arm(pipeline: str, scorer: str, e: float) -> F.Arm:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from obcache_vllm.evidence import fidelity as F  # noqa: E402
 from obcache_vllm.evidence.eval.command import csv_list as _csv  # noqa: E402
+from obcache_vllm.evidence.eval.command import parse_script_args  # noqa: E402
 
 SCORERS = F.SCORERS
 
@@ -42,13 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--scorers", type=_csv(str), default=list(SCORERS))
     ap.add_argument("--budgets", type=_csv(float), default=[0.1, 0.2, 0.3, 0.4])
     ap.add_argument("--window", type=int, default=32, help="snapkv's window")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "local-error")
-    ap.add_argument("--report-only", type=Path, default=None)
-    args = ap.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else argv
-    return args
+    return parse_script_args(ap, ROOT / "results" / "local-error", argv)
 
 
 def measure(args) -> dict:

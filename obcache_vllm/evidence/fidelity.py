@@ -683,7 +683,7 @@ def main(args) -> int:
 
         got = fidelity_topk.main(args, tok, samples_with, arm_list)
         samples, per_request = got.pop("samples"), got.pop("per_request")
-        extra = {"estimate": got["estimate"]}
+        extra = got  # the estimate's label
     else:
         from vllm import LLM
 

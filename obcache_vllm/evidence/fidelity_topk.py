@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -265,14 +264,11 @@ def main(args, tokenizer, make_samples, arm_list) -> dict:
     from obcache_vllm.evidence.fidelity import CHAT_REPLY_TOKENS
 
     client = HttpClient(args.server, concurrency=args.max_batch)
-    start = time.time()
     samples = make_samples(replies(client, tokenizer, CHAT_REPLY_TOKENS))
     per_request = run(client, samples, arm_list, args.tokens, args.top_k,
                       progress=lambda m: print(f"fidelity: {m}", flush=True))  # fmt: skip
     return {
         "estimate": f"top-{args.top_k} over HTTP ({args.server})",
-        "model_name": client.model,
-        "seconds": time.time() - start,
         "samples": samples,
         "per_request": per_request,
     }

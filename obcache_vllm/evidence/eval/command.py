@@ -33,6 +33,19 @@ def csv_list(kind):
     return parse
 
 
+def parse_script_args(ap: argparse.ArgumentParser, out: Path, argv=None) -> argparse.Namespace:
+    """The options every evaluation script under ``scripts/`` ends with (the model, the seed,
+    where to write, re-rendering a saved result), then the parsed arguments with ``argv``, the
+    command line as given (the reports quote it)."""
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--report-only", type=Path, default=None)
+    args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    return args
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("true", "1", "yes"):
         return True

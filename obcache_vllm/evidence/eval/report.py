@@ -211,6 +211,7 @@ def plot(rows: Sequence[dict], directory: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     palette = plt.get_cmap("tab10").colors
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"),
@@ -264,8 +265,6 @@ def plot(rows: Sequence[dict], directory: Path) -> list[Path]:
                 if col == 0:
                     ax.set_ylabel("accuracy")
             # One legend per row: the colours (scorers), then the styles (variants).
-            from matplotlib.lines import Line2D
-
             handles = [Line2D([], [], color=colour[sc], marker="o", label=sc if sc != "-"
                               else "no scorer")
                        for sc in sorted({r["scorer"] for r in in_row})]  # fmt: skip
