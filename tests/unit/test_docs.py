@@ -344,3 +344,36 @@ def test_figures_are_checked_and_rewritten_from_their_source(tmp_path: Path) -> 
     fixed = figures.rewrite(text, tmp_path)
     assert "+3.0<!--fig" in fixed and "85<!--fig" in fixed
     assert all(m["num"] == want for m, want in figures.figures(fixed, tmp_path))
+
+
+def test_figures_address_records_and_markdown_tables(tmp_path: Path) -> None:
+    """A ``field=value&...`` key picks one record of a list; a ``.md`` source is addressed as
+    ``TABLE|ROW|COLUMN[|N]`` by first cell and header (``_`` for a space) or by index."""
+    figures = _figures_module()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text(
+        '[{"m": "tova/attn", "b": 0.2, "acc": 0.9167}, {"m": "tova/attn", "b": 0.1, "acc": 0.5},'
+        ' {"m": "h2o", "b": 0.2, "acc": 0.0}]')
+    (tmp_path / "results" / "t.md").write_text(
+        "title\n| config | pool blocks | prefill s |\n|---|---:|---:|\n"
+        "| stock | 260 | 44.43 |\n| obcache, small pool | 1,128 | 0.92 [0.65, 0.99] |\n\n"
+        "| a | b |\n|---|---|\n| x | 1.5% |\n")
+    text = ("0.92<!--fig results/r.json m=tova/attn&b=0.2|acc .2f--> "
+            "44.43<!--fig results/t.md 0|stock|prefill_s .2f--> "
+            "1,128<!--fig results/t.md 0|obcache,_small_pool|pool_blocks ,d--> "
+            "0.99<!--fig results/t.md 0|1|2|2 .2f--> 1.5<!--fig results/t.md 1|x|b .1f--> "
+            "0.17<!--fig results/t.md 0|stock|prefill_s::0|stock|pool_blocks .2f--> "
+            "1.83<!--fig results/r.json m=tova/attn&b=0.2|acc::m=tova/attn&b=0.1|acc .2f--> "
+            "(0.50<!--fig results/r.json m=tova/attn&b=0.1|acc .2f-->-0.92<!--fig "
+            "results/r.json m=tova/attn&b=0.2|acc .2f-->)")
+    found = [(m["num"], want) for m, want in figures.figures(text, tmp_path)]
+    assert all(num == want for num, want in found) and len(found) == 9, found
+    (tmp_path / "results" / "s.json").write_text('{"stock, small pool": {"req/s": 0.236}}')
+    assert figures.source_value(tmp_path, "results/s.json", "stock,_small_pool|req/s", {}) == 0.236
+    (tmp_path / "results" / "n.json").write_text('[{"s": {"arm": "a", "v": 1}}, {"s": {"arm": "b", "v": 2}}]')
+    assert figures.source_value(tmp_path, "results/n.json", "s.arm=b|s|v", {}) == 2
+    assert figures.source_value(tmp_path, "results/n.json", "s.arm=b\\|s\\|v", {}) == 2  # in a table
+    for bad in ("0<!--fig results/r.json m=tova/attn|acc .0f-->",
+                "0<!--fig results/t.md 0|nope|prefill_s .0f-->"):
+        with pytest.raises(KeyError):
+            list(figures.figures(bad, tmp_path))
