@@ -13,7 +13,8 @@ it first (``x100`` for a percentage). The figure is the number written just befo
 
 In a list of records a key ``field=value&field=value`` picks the one record whose fields hold
 those values (``results/eval/results.json method=tova/attn/shared&budget=0.2|accuracy``); it
-must match exactly one (``summary.arm=stock`` looks inside a record's ``summary``). A ``.md`` results file is addressed as ``TABLE|ROW|COLUMN[|N]``: the
+must match exactly one (``summary.arm=stock`` looks inside a record's ``summary``). A ``.md``
+results file is addressed as ``TABLE|ROW|COLUMN[|N]``: the
 table's index in the file, the row by its first cell and the column by its header (or either
 by a 0-based index; ``_`` stands for a space), and the N-th number in that cell (first if left
 out), so ``results/bench/long_prefill.md 0|stock|prefill_s .2f``. In a JSON object too ``_``
@@ -39,7 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The number, then its annotation (which may wrap over lines inside the comment). A sign right
 # after a digit or another annotation is a range's dash ("1.0-2.5"), not the number's.
-FIGURE = re.compile(r"(?P<num>(?:(?<![\d>])[-+])?\d[\d,]*(?:\.\d+)?)<!--fig\s+(?P<path>\S+)\s+(?P<keys>\S+)"
+FIGURE = re.compile(r"(?P<num>(?:(?<![\d>])[-+])?\d[\d,]*(?:\.\d+)?)"
+                    r"<!--fig\s+(?P<path>\S+)\s+(?P<keys>\S+)"
                     r"\s+(?P<spec>\S+)(?:\s+x(?P<scale>[\d.]+))?\s*-->")  # fmt: skip
 
 

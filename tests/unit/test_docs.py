@@ -370,9 +370,11 @@ def test_figures_address_records_and_markdown_tables(tmp_path: Path) -> None:
     assert all(num == want for num, want in found) and len(found) == 9, found
     (tmp_path / "results" / "s.json").write_text('{"stock, small pool": {"req/s": 0.236}}')
     assert figures.source_value(tmp_path, "results/s.json", "stock,_small_pool|req/s", {}) == 0.236
-    (tmp_path / "results" / "n.json").write_text('[{"s": {"arm": "a", "v": 1}}, {"s": {"arm": "b", "v": 2}}]')
+    records = '[{"s": {"arm": "a", "v": 1}}, {"s": {"arm": "b", "v": 2}}]'
+    (tmp_path / "results" / "n.json").write_text(records)
     assert figures.source_value(tmp_path, "results/n.json", "s.arm=b|s|v", {}) == 2
-    assert figures.source_value(tmp_path, "results/n.json", "s.arm=b\\|s\\|v", {}) == 2  # in a table
+    in_table = "s.arm=b\\|s\\|v"
+    assert figures.source_value(tmp_path, "results/n.json", in_table, {}) == 2
     for bad in ("0<!--fig results/r.json m=tova/attn|acc .0f-->",
                 "0<!--fig results/t.md 0|nope|prefill_s .0f-->"):
         with pytest.raises(KeyError):
