@@ -260,10 +260,22 @@ def _sums_every_query(pipeline: str) -> bool:
     return pipeline_class(pipeline).sums_every_query
 
 
-def _without_running_sums() -> str:
-    from obcache_vllm.scoring import pipeline_class, pipeline_names
+def _heads_own_memory(pipeline: str) -> bool:
+    from obcache_vllm.scoring import pipeline_class
 
-    names = [n for n in pipeline_names() if not pipeline_class(n).sums_every_query]
+    return pipeline_class(pipeline).heads_own_memory
+
+
+def _continues(pipeline: str) -> bool:
+    """Whether its cache can be continued (``kv_session``) or start late (``kv_when``
+    "pressure"): its state lives in the cache, laid out as every pipeline's."""
+    return not _sums_every_query(pipeline) and not _heads_own_memory(pipeline)
+
+
+def _without_running_sums() -> str:
+    from obcache_vllm.scoring import pipeline_names
+
+    names = [n for n in pipeline_names() if _continues(n)]
     return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
@@ -305,6 +317,30 @@ def _refuse_pressure(request: KvRequest) -> None:
             raise KvOptionsError(
                 "kv_when", f'"pressure" cannot be combined with {name}', "pressure"
             )
+
+
+def _refuse_heads_memory(request: KvRequest) -> None:
+    """What a pipeline whose heads own their memory (adakv) cannot do yet: it evicts once, at
+    the compress point, into a per-head layout that nothing else reads (see ``kv_pipeline``)."""
+    if not _heads_own_memory(request.pipeline):
+        return
+    budget = request.budget
+    for name, value, why in (
+        ("kv_decode", request.decode or None, "a decode-time eviction"),
+        ("kv_prefill_evict", request.prefill_evict or None, "an eviction per prefill chunk"),
+        ("kv_session", request.session or None, "a continued cache (sessions)"),
+        ("kv_when", None if request.when == "always" else request.when,
+         "an eviction under pressure"),
+        ("kv_budget", budget.wire() if isinstance(budget, ErrorTarget) else None,
+         "an error target"),
+        ("kv_per_head", None if request.per_head else False, "one ranking per layer"),
+    ):  # fmt: skip
+        if value is not None:
+            raise KvOptionsError(
+                name, f"not supported with kv_pipeline {request.pipeline} yet: {why} would "
+                "have to read or rewrite its per-head layout (see the per-head memory design)",
+                value,
+            )  # fmt: skip
 
 
 def _check_room(budget: int, sinks: int, recent: int) -> None:
@@ -433,9 +469,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "kv_pipeline", one_of(_pipeline_names), "snapkv", (str,),
-        examples=_pipeline_names,
+        examples=_pipeline_names, refuse=_refuse_heads_memory,
         doc="selection pipeline: `snapkv` (last `kv_window` queries, max-pooled), `h2o` (all "
-        "prompt queries), `tova` (last query), `streaming` (sinks + recent)",
+        "prompt queries), `tova` (last query), `streaming` (sinks + recent), `adakv` "
+        "(snapkv's scores, the layer's total spread over its KV heads by AdaKV's rule, each "
+        "head in memory of its own: the request's blocks follow the sum of its heads' kept "
+        "tokens). `adakv` evicts once, at the compress point, on the CPU backend without "
+        "tensor parallelism; not with `kv_decode`, `kv_prefill_evict`, `kv_session`, "
+        '`kv_when: "pressure"`, an error target or `kv_per_head: false`, and it neither '
+        "adopts nor leaves compressed entries",
     ),
     OptionSpec(
         "kv_window", integer(1), 64, (int,), examples=(1, 8, 32),
@@ -617,7 +659,7 @@ class _RequestMethods:
             joined = dataclasses.replace(self, compress_at=None, session=True)
             return joined.resolve(num_prompt_tokens, max_model_len)
         if self.compress_at == AUTO:
-            if auto_session and not _sums_every_query(self.pipeline):
+            if auto_session and _continues(self.pipeline):
                 continued = dataclasses.replace(self, compress_at=None, session=True)
                 return continued.resolve(num_prompt_tokens, max_model_len)
             at = auto_point
@@ -683,7 +725,7 @@ class _RequestMethods:
             and self.compress_at in (None, AUTO)
             and not self.prefill_evict
             and self.when == "always"
-            and not _sums_every_query(self.pipeline)
+            and _continues(self.pipeline)
         )
 
     def _room_at(self, at: int) -> bool:

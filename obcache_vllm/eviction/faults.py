@@ -129,8 +129,11 @@ class FaultyView:
             return None
         return offset // stride
 
+    _last: int | None = None  # the row of the last gather (a head-block write names no row)
+
     def gather(self, blocks, num_tokens):
-        fault = self._faults.get(self._row_of(blocks))
+        self._last = self._row_of(blocks)
+        fault = self._faults.get(self._last)
         if fault is not None and fault.stage == "score":
             raise InjectedFault("score")
         return self._view.gather(blocks, num_tokens)
@@ -140,6 +143,14 @@ class FaultyView:
         if fault is not None and fault.stage == "compact" and fault.layer == self._layer:
             raise InjectedFault(f"compact at layer {fault.layer}")
         self._view.scatter(blocks, keys, values)
+
+    def scatter_head_blocks(self, ids, keys, values) -> None:
+        """Per-head memory: the row is the one whose K/V this layer gathered last (the
+        compaction gathers its resident K/V right before it writes)."""
+        fault = self._faults.get(self._last)
+        if fault is not None and fault.stage == "compact" and fault.layer == self._layer:
+            raise InjectedFault(f"compact at layer {fault.layer}")
+        self._view.scatter_head_blocks(ids, keys, values)
 
     def __getattr__(self, name):  # anything else a backend's view offers
         return getattr(self._view, name)

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from obcache_vllm.eviction.heads import body_shape, head_block_slots
 from obcache_vllm.eviction.step import RowPlan, StepPlan
 from obcache_vllm.scoring import HeadGeometry, RunningScores, estimate
 
@@ -54,6 +55,12 @@ class KvCacheView(Protocol):
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks ``src`` [n] into blocks ``dst`` [n] (block ids)."""
+        ...
+
+    def scatter_head_blocks(self, ids: torch.Tensor, keys: torch.Tensor,
+                            values: torch.Tensor) -> None:  # fmt: skip
+        """Write keys/values [n, bs, D] into head-blocks ``ids`` [n] (``block * Hkv + head``:
+        one KV head's part of one block, see :mod:`obcache_vllm.eviction.heads`)."""
         ...
 
 
@@ -124,10 +131,42 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
     if order is None:
         return
 
+    if pipeline.heads_own_memory:
+        _compact_heads(plan, row, layer, view, blocks, keys, values, scores)
+        return
     keep = pipeline.select(
         scores, keep=order.kept, recent=opts.recent, sinks=opts.sinks, reduce=reduction
     )
     _compact(row, layer, view, blocks, keys, values, keep, order.dead_after)
+
+
+def _compact_heads(plan, row: RowPlan, layer: str, view, blocks, keys, values, scores) -> None:
+    """A pipeline whose heads own their memory: each KV head keeps its own count, in whole
+    head-blocks of the order's body (the layout of :mod:`obcache_vllm.eviction.heads`); the
+    tail block stays as it is. ``keys``/``values`` [Hkv, N, D] are the resident tokens."""
+    state, order, opts = row.state, row.order, row.state.options
+    bs = row.block_size
+    tail, body_blocks = body_shape(order.logical_len, order.dead_after, bs)
+    kept = state.pipeline.select_heads(scores, tail=tail, body_blocks=body_blocks, block_size=bs,
+                                       recent=opts.recent, sinks=opts.sinks)  # fmt: skip
+    counts = [(len(index) - tail) // bs for index in kept]
+    body = [index[: len(index) - tail] for index in kept]
+    d = keys.shape[-1]
+    kept_k = torch.cat([keys[h, index] for h, index in enumerate(body)]).view(-1, bs, d)
+    kept_v = torch.cat([values[h, index] for h, index in enumerate(body)]).view(-1, bs, d)
+    ids = head_block_slots(counts, body_blocks, order.dead_after - order.dead_before, blocks[0])
+    row.outcome.writing = True
+    _preserve(row, view, blocks)
+    if body_blocks:
+        view.scatter_head_blocks(ids, kept_k, kept_v)
+    row.outcome.writing = False
+    row.outcome.compacted_layers += 1
+    row.outcome.head_blocks[plan.layer_index[layer]] = (counts, body_blocks)
+    if state.record is not None:
+        first = state.dead * bs
+        state.record[layer] = kept
+        state.record[layer + ":positions"] = [first + index.cpu() for index in kept]
+    state.queries.pop(layer, None)
 
 
 def _compact(row: RowPlan, layer: str, view, blocks, keys, values, keep, dead_after: int) -> None:

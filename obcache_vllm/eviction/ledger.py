@@ -137,8 +137,10 @@ class RequestBlocks:
 
     @property
     def entry_kind(self) -> str | None:
-        """The compressed entries it may adopt and leave behind (see ``eviction.entries``)."""
-        if not self.reads_cache:
+        """The compressed entries it may adopt and leave behind (see ``eviction.entries``);
+        none for a pipeline whose heads own their memory: an entry's blocks are read with one
+        table for every head."""
+        if not self.reads_cache or self.options.build_scoring()[1].heads_own_memory:
             return None
         if self.options.session:
             return "session"

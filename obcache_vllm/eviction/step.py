@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from obcache_vllm.eviction.heads import HeadLayout
 from obcache_vllm.eviction.messages import EvictionOrder
 from obcache_vllm.options import KvOptions
 from obcache_vllm.scoring import Pipeline, RunningScores, Scorer
@@ -93,6 +94,9 @@ class RequestKvState:
     chosen: tuple[int, float] | None = None
     # Why eviction stopped for this request ("stage: reason"), after a contained fault.
     disabled: str | None = None
+    # A pipeline whose heads own their memory, once its order is applied: where each KV
+    # head's entries live (None: one block table for every head, as stock).
+    head_layout: HeadLayout | None = None
     # kv_when "pressure" and not compressed yet: it runs as stock (no scoring, no buffers).
     pressure_pending: bool = False
     # Debug/verification only (OBCACHE_VLLM_RECORD_KEEP=1), see ``record_keep``: per layer
@@ -113,6 +117,7 @@ class RequestKvState:
             for key in [k for k in self.record if k.endswith(":positions")]:
                 del self.record[key]
         self.dead = 0
+        self.head_layout = None
         self.kept_prompt = None
         self.chosen = None
         self.queries.clear()
@@ -197,6 +202,9 @@ class RowOutcome:
     # choice made from all of them: (dead_after, tokens kept, estimated error).
     deferred: dict = field(default_factory=dict)
     chosen: tuple[int, int, float] | None = None
+    # A pipeline whose heads own their memory: per layer index, (head-blocks per KV head,
+    # body blocks) as written (see :mod:`obcache_vllm.eviction.heads`).
+    head_blocks: dict[int, tuple[list[int], int]] = field(default_factory=dict)
 
     def fail(self, stage: str, exc: Exception, where: str) -> None:
         """Record the row's first contained fault (``reason``: the exception's type, or its
@@ -286,6 +294,8 @@ class StepPlan:
     # Set by an adapter that shifts the persistent read buffers in place (FlashAttention), so
     # a second metadata build of the same step does not shift them twice.
     reads_shifted: bool = False
+    # Rows (batch index) whose heads own their memory: their layouts (the reads go per head).
+    head_layouts: dict[int, HeadLayout] = field(default_factory=dict)
 
     @property
     def shifts_reads(self) -> bool:

@@ -89,6 +89,39 @@ def masks(state: Prefill, options: KvOptions, keep: int, *, adaptive: bool,
     return out
 
 
+def served_masks(state: Prefill, options: KvOptions, block_size: int,
+                 scores: dict[int, Tensor] | None = None) -> dict[int, Tensor]:
+    """Per layer the kept entries [Hkv, L] of ``state``'s prompt as the vLLM worker keeps them
+    for a pipeline whose heads own their memory (adakv): the same order as a uniform
+    selection (``plan_eviction``), then ``select_heads`` in whole head-blocks. Empty when the
+    block rule evicts nothing."""
+    from obcache_vllm.eviction.heads import body_shape
+    from obcache_vllm.eviction.planning import plan_eviction
+
+    pipeline = options.build_scoring()[1]
+    order = plan_eviction(logical_len=state.length, budget=options.budget, dead_blocks=0,
+                          block_size=block_size)  # fmt: skip
+    if order is None:
+        return {}
+    tail, body_blocks = body_shape(state.length, order.dead_after, block_size)
+    scores = layer_scores(state, options) if scores is None else scores
+    out = {}
+    for layer, scores_ in scores.items():
+        kept = pipeline.select_heads(scores_, tail=tail, body_blocks=body_blocks,
+                                     block_size=block_size, recent=options.recent,
+                                     sinks=options.sinks)  # fmt: skip
+        out[layer] = positions_mask(kept, state.length)
+    return out
+
+
+def positions_mask(kept: list[Tensor], length: int) -> Tensor:
+    """Kept positions per head (a list of index tensors) as a mask [Hkv, length]."""
+    mask = torch.zeros((len(kept), length), dtype=torch.bool)
+    for head, index in enumerate(kept):
+        mask[head, index.long()] = True
+    return mask
+
+
 @torch.inference_mode()
 def forced_logits(model, state: Prefill, kept: dict[int, Tensor] | None, tokens: list[int],
                   rest: Tensor | None = None) -> Tensor:  # fmt: skip

@@ -7,6 +7,8 @@ A pipeline never computes a score itself: it calls whatever scorer it is given (
   h2o        all the queries given (all prompt queries at prefill); a running sum at decode
   tova       the last query only; at decode, the newest query's score replaces the old one
   streaming  no score: the first ``sinks`` and the most recent entries (StreamingLLM)
+  adakv      snapkv's scores; the layer's total spread over its KV heads (AdaKV), each head
+             in memory of its own (``heads_own_memory``)
 
 Glossary: W queries given, T resident entries, Hq/Hkv heads, D head dim, K kept per head.
 """
@@ -44,6 +46,10 @@ class Pipeline:
     # travel with a continued cache (``kv_session``) and could not start late (``kv_when``
     # "pressure"), so both are refused for it.
     sums_every_query: ClassVar[bool] = False
+    # Its heads keep different numbers of entries, each in head-blocks of its own
+    # (``select_heads``): the engine lays the request's cache out per head after its one
+    # eviction, so nothing that assumes one block table for all heads may follow it.
+    heads_own_memory: ClassVar[bool] = False
 
     per_head: bool = True
 
@@ -255,7 +261,30 @@ class Streaming(Pipeline):
         return kept.view(rows, heads, keep)
 
 
-_PIPELINES: dict[str, type[Pipeline]] = {cls.name: cls for cls in (SnapKV, H2O, TOVA, Streaming)}
+@dataclass(frozen=True)
+class AdaKV(SnapKV):
+    """AdaKV (Feng et al.) hosted on SnapKV's scores: a layer keeps as many entries as a uniform
+    selection, spread over its KV heads by their scores (kvpress's ``AdaKVPress`` rule, see
+    :func:`~obcache_vllm.scoring.allocation.adaptive_keep`), in whole head-blocks
+    (:func:`~obcache_vllm.scoring.allocation.adaptive_head_blocks`) so that every head's entries
+    fill memory of their own and the request's blocks follow the sum of the heads' counts.
+    """
+
+    name = "adakv"
+    heads_own_memory = True
+
+    def select_heads(self, scores: Tensor, *, tail: int, body_blocks: int, block_size: int,
+                     recent: int = 0, sinks: int = 0) -> list[Tensor]:  # fmt: skip
+        """Sorted kept indices per KV head (``adaptive_head_blocks``)."""
+        from obcache_vllm.scoring.allocation import adaptive_head_blocks
+
+        return adaptive_head_blocks(scores, tail=tail, body_blocks=body_blocks,
+                                    block_size=block_size, recent=recent, sinks=sinks)  # fmt: skip
+
+
+_PIPELINES: dict[str, type[Pipeline]] = {
+    cls.name: cls for cls in (SnapKV, H2O, TOVA, Streaming, AdaKV)
+}
 # The built-in pipelines; ``pipeline_names()`` also lists the ones registered since.
 PIPELINE_NAMES: tuple[str, ...] = tuple(_PIPELINES)
 

@@ -89,3 +89,50 @@ def test_the_wire_form_round_trips_and_refuses_what_it_does_not_know():
             KvOptions.from_wire(broken)
     with pytest.raises(WireError, match="bypassed"):  # kv_* fields but never admitted
         admitted_options({"kv_budget": 64})
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        pytest.param({"kv_decode": True}, "kv_decode", id="decode"),
+        pytest.param({"kv_prefill_evict": True}, "kv_prefill_evict", id="prefill-evict"),
+        pytest.param({"kv_session": True}, "kv_session", id="session"),
+        pytest.param({"kv_when": "pressure"}, "kv_when", id="pressure"),
+        pytest.param({"kv_budget": {"max_error": 0.05}}, "kv_budget", id="error-target"),
+        pytest.param({"kv_per_head": False}, "kv_per_head", id="layer-ranking"),
+    ],
+)
+def test_adakv_refuses_what_would_read_or_rewrite_its_per_head_layout(extra, field):
+    with pytest.raises(KvOptionsError) as info:
+        parse_kv_options({**BUDGET, "kv_pipeline": "adakv", **extra}, 500)
+    assert info.value.field == field
+    assert "adakv" in str(info.value)
+    # The same options on the uniform host are served.
+    assert parse_kv_options({**BUDGET, "kv_pipeline": "snapkv", **extra}, 500) is not None
+
+
+def test_adakv_never_joins_a_session_of_its_own_accord():
+    from obcache_vllm.options import parse_request
+
+    request = parse_request({**BUDGET, "kv_pipeline": "adakv", "kv_compress_at": "auto"})
+    assert not request.joins_session()
+    first = request.resolve(500, auto_point=None, auto_session=True)
+    assert not first.session and not first.tentative
+    assert parse_kv_options({**BUDGET, "kv_pipeline": "adakv", "kv_compress_at": 300}, 500)
+
+
+def test_adakv_is_refused_where_per_head_memory_is_not_built():
+    from types import SimpleNamespace
+
+    from obcache_vllm.vllm_ext.frontend.admission import _heads_memory_reason
+
+    def config(tp=1, device="cpu"):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                               device_config=SimpleNamespace(device_type=device))  # fmt: skip
+
+    ada = parse_kv_options({**BUDGET, "kv_pipeline": "adakv"}, 500)
+    snap = parse_kv_options(BUDGET, 500)
+    assert _heads_memory_reason(config(), ada) is None
+    assert "tensor parallelism" in _heads_memory_reason(config(tp=2), ada)
+    assert "FlashAttention" in _heads_memory_reason(config(device="cuda"), ada)
+    assert _heads_memory_reason(config(tp=2, device="cuda"), snap) is None

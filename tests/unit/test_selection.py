@@ -133,9 +133,11 @@ GEOM = HeadGeometry(9, 3, 16)
 
 
 def test_pipeline_registry_and_windows():
-    assert PIPELINE_NAMES == ("snapkv", "h2o", "tova", "streaming")
+    assert PIPELINE_NAMES == ("snapkv", "h2o", "tova", "streaming", "adakv")
     windows = {name: make_pipeline(name).window for name in PIPELINE_NAMES}
-    assert windows == {"snapkv": 64, "h2o": None, "tova": 1, "streaming": 0}
+    assert windows == {"snapkv": 64, "h2o": None, "tova": 1, "streaming": 0, "adakv": 64}
+    owners = [n for n in PIPELINE_NAMES if make_pipeline(n).heads_own_memory]
+    assert owners == ["adakv"]
     assert make_pipeline("snapkv", window=16).window == 16
     assert [make_pipeline(n).name for n in PIPELINE_NAMES] == list(PIPELINE_NAMES)
     with pytest.raises(ValueError, match="h2o"):

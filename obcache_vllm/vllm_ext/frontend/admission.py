@@ -183,6 +183,22 @@ def unsupported_reason(vllm_config) -> str | None:
     return _bound["scheduler"](vllm_config.scheduler_config)
 
 
+def _heads_memory_reason(vllm_config, options) -> str | None:
+    """Why a pipeline whose heads own their memory (adakv) cannot run on this engine, or None:
+    per-head memory is built for the CPU attention backend on one rank (see the per-head
+    memory design: FlashAttention's call and each rank's own counts are not built yet)."""
+    if not options.build_scoring()[1].heads_own_memory:
+        return None
+    name = options.pipeline
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        return (f"{name} is not supported with tensor parallelism yet (each rank would spread "
+                "its own KV heads' budget and report its own layout)")  # fmt: skip
+    if vllm_config.device_config.device_type != "cpu":
+        return (f"{name} needs per-head memory, built for vLLM's CPU attention backend only "
+                "(not FlashAttention yet)")  # fmt: skip
+    return None
+
+
 def parse(fields: Mapping[str, Any] | None, policy=None) -> Requested | None:
     """Stage 1, the one parse of a request's kv_* ``fields`` (the client's, or an
     orchestrator's ``kv_hints``): over the server ``policy``'s defaults where one is given
@@ -289,6 +305,9 @@ def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, a
             "choose from its own KV heads)",
             options.requested_budget,
         )
+    reason = _heads_memory_reason(vllm_config, options)
+    if reason is not None:
+        raise KvOptionsError("kv_pipeline", reason, options.pipeline)
     if options.session and not vllm_config.cache_config.enable_prefix_caching:
         raise KvOptionsError(
             "kv_session",

@@ -80,6 +80,19 @@ class BackendAdapter(ABC):
     def unsupported_reason(vllm_config: Any) -> str | None:
         """(c) Why budgeted requests cannot be served with this configuration, or None."""
 
+    # (d) Per-head memory (optional; see :mod:`obcache_vllm.eviction.heads`). An adapter
+    # without it never sees such a row: admission refuses those pipelines elsewhere.
+    per_head_memory: ClassVar[bool] = False
+
+    def head_reads(self, common_attn_metadata: Any, plan: StepPlan, num_kv_heads: int) -> Any:
+        """The step's per-head read tables (rows in ``plan.head_layouts``), from the shifted
+        read metadata; handed to :meth:`attend_per_head` on the attention metadata."""
+        raise NotImplementedError(f"{self.name} has no per-head memory")
+
+    def attend_per_head(self, impl, layer, query, kv_cache, metadata, output) -> None:
+        """This layer's attention of the whole batch over per-head tables, into ``output``."""
+        raise NotImplementedError(f"{self.name} has no per-head memory")
+
 
 class EvictingBuilderMixin:
     """Metadata builder half: shifted reads and the plan for the layers (put before the
@@ -97,6 +110,11 @@ class EvictingBuilderMixin:
             plan.read_block_table = common_attn_metadata.block_table_tensor
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         metadata.obcache_plan = plan if plan is not None and plan.rows else None
+        metadata.obcache_heads = None
+        if plan is not None and plan.head_layouts:  # some rows' heads own their memory
+            metadata.obcache_heads = self.obcache_adapter.head_reads(
+                common_attn_metadata, plan, self.kv_cache_spec.num_kv_heads
+            )
         return metadata
 
 
@@ -107,9 +125,17 @@ class EvictingImplMixin:
     _obcache_geometry: HeadGeometry | None = None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
-        result = super().forward(
-            layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw
-        )
+        quantized = any(x is not None for x in (*args, *kw.values()))  # fused output scales
+        if getattr(attn_metadata, "obcache_heads", None) is not None and not quantized:
+            # Rows whose heads own their memory: the whole batch reads per head (stock rows
+            # read each head from their one table, the same tokens as the stock call).
+            self.obcache_adapter.attend_per_head(self, layer, query, kv_cache, attn_metadata,
+                                                 output)  # fmt: skip
+            result = output
+        else:
+            result = super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw
+            )
         plan = getattr(attn_metadata, "obcache_plan", None)
         if plan is not None and self.attn_type == AttentionType.DECODER:
             view = self.obcache_adapter.kv_view(kv_cache, layer, self)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from obcache_vllm.eviction.heads import HeadLayout
 from obcache_vllm.eviction.layer import finish_deferred
 from obcache_vllm.eviction.messages import EvictionOrder, EvictionReport, RowFailure, RowState
 from obcache_vllm.eviction.oracle import KvOracle
@@ -191,12 +192,14 @@ class WorkerEviction:
         if not self.states and not orders:
             return None
         qsl, computed, block_size = batch.query_start_loc, batch.num_computed, self.block_size
-        dead, rows, writes = [], [], []
+        dead, rows, writes, layouts = [], [], [], {}
         for row, req_id in enumerate(batch.req_ids):
             state = self.states.get(req_id)
             dead.append(state.dead if state is not None else 0)
             if state is None:
                 continue
+            if state.head_layout is not None:
+                layouts[row] = state.head_layout
             logical_len = computed[row] + (qsl[row + 1] - qsl[row])
             order, failure = orders.get(req_id), None
             if state.disabled is not None:
@@ -251,6 +254,7 @@ class WorkerEviction:
             decode_write=decode_write,
             groups=groups,
             head_reduce=head_reduce,
+            head_layouts=layouts,
         )
         return self.plan
 
@@ -296,6 +300,10 @@ class WorkerEviction:
                             (order.logical_len, row.prefill))  # fmt: skip
                 state.tokens_evicted += order.resident_before - kept
                 state.dead = dead_after
+                if outcome.head_blocks:  # its heads own their memory from now on
+                    counts = [outcome.head_blocks[i][0] for i in range(num_layers)]
+                    state.head_layout = HeadLayout(torch.tensor(counts, dtype=torch.int64),
+                                                   outcome.head_blocks[0][1])  # fmt: skip
                 if order.logical_len <= row.prompt_len:  # during the prompt: the last one counts
                     state.kept_prompt = kept + row.prompt_len - order.logical_len
                 applied.append(row.req_id)

@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from obcache_vllm.eviction.heads import head_tables, regroup_index
 from obcache_vllm.eviction.paged import shift_rows_in_place
 from obcache_vllm.eviction.step import StepPlan
 from obcache_vllm.vllm_ext.worker.attention import (
@@ -132,6 +133,70 @@ class CpuKvView:
         """Whole blocks ``src`` [n] -> ``dst`` [n] (every head, keys and values)."""
         self.slabs.index_copy_(0, dst.long(), self.slabs.index_select(0, src.long()))
 
+    def scatter_head_blocks(self, ids: torch.Tensor, keys: torch.Tensor,
+                            values: torch.Tensor) -> None:  # fmt: skip
+        """Keys/values [n, bs, D] into head-blocks ``ids`` [n]: slab ``(block, head)`` of the
+        cache is row ``block * Hkv + head`` of its ``[num_blocks * Hkv, 2*bs*D]`` view."""
+        bs, d = self.block_size, self.layout.head_dim
+        count = ids.shape[0]
+        flat = self.slabs.view(-1, 2 * bs * d)
+        slab = flat.new_empty((count, 2 * bs * d))
+        slab.scatter_(1, self.layout.k_offsets.expand(count, -1), keys.reshape(count, bs * d))
+        slab.scatter_(1, self.layout.v_offsets.expand(count, -1), values.reshape(count, bs * d))
+        flat.index_copy_(0, ids.long(), slab)
+
+
+@dataclass
+class HeadReads:
+    """One step's per-head reads (rows whose heads own their memory, see
+    :mod:`obcache_vllm.eviction.heads`): per layer index a table and lengths of head-block
+    ids, one row per (request, KV head); how queries are regrouped into those rows."""
+
+    layer_index: dict[str, int]
+    ids: torch.Tensor  # [L, R*Hkv, W] int32
+    lens: torch.Tensor  # [L, R*Hkv] int32
+    index: torch.Tensor  # [Hkv*T] int64: regrouped query i is row index[i] of the head-major view
+    starts: torch.Tensor  # [R*Hkv + 1] int32
+
+
+def attend_per_head(impl, layer, query, kv_cache, metadata, output) -> None:
+    """The CPU kernel over per-head sequences: each (request, KV head) attends its own
+    head-blocks with its G query heads (``cpu_attention_with_kv_cache`` on the cache viewed as
+    one KV head per block; the same call as stock, on ``R*Hkv`` sequences)."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    if impl.alibi_slopes is not None or impl.sinks is not None:
+        raise NotImplementedError("per-head memory with ALiBi or attention sinks")
+    reads: HeadReads = metadata.obcache_heads
+    layer_id = reads.layer_index[layer.layer_name]
+    tokens = metadata.num_actual_tokens
+    hkv, d = impl.num_kv_heads, impl.head_size
+    group = impl.num_heads // hkv
+    q = query[:tokens].reshape(tokens, hkv, group, d).transpose(0, 1)  # [Hkv, T, G, D]
+    q = q.reshape(hkv * tokens, group, d).index_select(0, reads.index)
+    num_blocks, _, bs, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(num_blocks * hkv, 1, 2 * bs, d).chunk(2, dim=2)
+    lens = reads.lens[layer_id]
+    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=lens.shape[0], num_heads=group, num_kv_heads=1, head_dim=d, seq_lens=lens,
+        dtype=q.dtype, query_start_loc=reads.starts, causal=metadata.causal,
+        sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=reads.starts, seq_lens=lens, scale=impl.scale, causal=metadata.causal,
+        alibi_slopes=None, sliding_window=impl.sliding_window, block_table=reads.ids[layer_id],
+        softcap=impl.logits_soft_cap, scheduler_metadata=scheduler_metadata, s_aux=None,
+        k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )  # fmt: skip
+    grouped = torch.empty_like(out).index_copy_(0, reads.index, out)  # [Hkv*T, G, D]
+    result = grouped.view(hkv, tokens, group, d).transpose(0, 1)  # [T, Hkv, G, D]
+    output[:tokens].view(tokens, hkv, group, d).copy_(result)
+
 
 def shift_block_table(
     table: torch.Tensor, seq_lens: torch.Tensor, dead: tuple[int, ...], block_size: int
@@ -148,6 +213,7 @@ def shift_block_table(
 
 class CpuAdapter(BackendAdapter):
     name = "CPU_ATTN"
+    per_head_memory = True
 
     def kv_view(self, kv_cache, layer, impl) -> CpuKvView:
         layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], impl.head_size)
@@ -165,6 +231,17 @@ class CpuAdapter(BackendAdapter):
             seq_lens=seq_lens,
             max_seq_len=int(seq_lens.max().item()) if num_reqs else 0,
         )
+
+    def head_reads(self, common_attn_metadata, plan: StepPlan, num_kv_heads: int) -> HeadReads:
+        cm = common_attn_metadata
+        ids, lens = head_tables(cm.block_table_tensor, cm.seq_lens, plan.head_layouts,
+                                len(plan.layer_index), num_kv_heads, plan.block_size)  # fmt: skip
+        qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+        index, starts = regroup_index(qsl, num_kv_heads)
+        return HeadReads(dict(plan.layer_index), ids, lens, index, starts)
+
+    def attend_per_head(self, impl, layer, query, kv_cache, metadata, output) -> None:
+        attend_per_head(impl, layer, query, kv_cache, metadata, output)
 
     @staticmethod
     def unsupported_reason(vllm_config) -> str | None:

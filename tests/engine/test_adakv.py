@@ -1,0 +1,172 @@
+"""AdaKV with per-head memory on the real engine (``kv_pipeline: adakv``).
+
+* **Exact**: every layer and KV head keeps exactly the entries the HF reference's own
+  selection keeps (:func:`~obcache_vllm.evidence.head_budgets.served_masks`, the same scores
+  and block rule), and the greedy tokens are the argmax of the HF model attending over those
+  entries only (``-inf`` on the rest, :func:`~obcache_vllm.evidence.head_budgets.forced_logits`)
+  at every position: query-aware and query-agnostic (``kv_compress_at``), in one batch with
+  stock and uniform requests, whose tokens equal their own runs alone (their reads go through
+  the per-head tables too while an adakv row is in the batch).
+* **Memory**: the blocks an adakv request holds in vLLM's pool follow the SUM of its heads'
+  kept tokens: the same blocks as uniform snapkv at the same budget, while its largest head
+  keeps more tokens than those blocks could hold in one table for every head.
+* **Shared state**: preempted after its per-head eviction, it is recomputed and evicted
+  again to the same tokens; at the pool's limit, with differently budgeted copies of one
+  prompt in the same steps, an abort and queued requests, every output equals that request
+  alone and every block goes back to the pool.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from support.engine import POOL_BLOCKS
+from support.texts import needle_parts, needle_prompt
+
+from obcache_vllm.evidence import head_budgets as hb
+from obcache_vllm.evidence import hf_reference as ref
+from obcache_vllm.options import parse_kv_options
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
+
+BS, BUDGET, NEW = 32, 128, 16
+ADA = {"kv_budget": BUDGET, "kv_pipeline": "adakv"}
+
+
+def _layer(name: str) -> int:
+    return int(name.split("layers.")[1].split(".")[0])
+
+
+def _generate(engine, prompts, extras, max_tokens=NEW):
+    """Greedy tokens and the worker's records of each request, all in one batch."""
+    from vllm import SamplingParams
+
+    records = engine.runner.obcache.records
+    before = set(records)
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                             extra_args=extra) for extra in extras]  # fmt: skip
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)  # fmt: skip
+    by_id = {rid.rsplit("-", 1)[0]: records[rid] for rid in records if rid not in before}
+    return [(list(o.outputs[0].token_ids), by_id.get(o.request_id)) for o in outs]
+
+
+def _kept_masks(record, length: int) -> dict[int, torch.Tensor]:
+    return {_layer(name): hb.positions_mask(kept, length)
+            for name, kept in record.items() if name.endswith(":positions")}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cases(tokenizer):
+    """Three query-aware prompts (769-951 tokens) and one query-agnostic (compressed where
+    the question starts)."""
+    aware = [tokenizer(needle_prompt(24 + 3 * i, seed=i)[0]).input_ids for i in range(3)]
+    context, question, _ = needle_parts(26, seed=5)
+    ctx = tokenizer(context).input_ids
+    agnostic = ctx + tokenizer(question).input_ids
+    return [(ids, dict(ADA)) for ids in aware] + [(agnostic, {**ADA, "kv_compress_at": len(ctx)})]
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    model, _ = ref.load_model(model_path, dtype=torch.float32)
+    return model
+
+
+def test_adakv_keeps_the_references_entries_and_generates_its_tokens(engine, cases, hf_model):
+    stock_ids, snap = cases[0][0], {"kv_budget": BUDGET, "kv_pipeline": "snapkv"}
+    alone = [_generate(engine, [stock_ids], [extra])[0][0] for extra in (None, snap)]
+    prompts = [ids for ids, _ in cases] + [stock_ids, stock_ids]
+    mixed = _generate(engine, prompts, [extra for _, extra in cases] + [None, snap])
+    # Unbudgeted and uniform rows read through the per-head tables in this batch: unchanged.
+    assert [tokens for tokens, _ in mixed[-2:]] == alone
+
+    for (ids, extra), (tokens, record) in zip(cases, mixed, strict=False):
+        options = parse_kv_options(extra, len(ids))
+        point = options.compress_point(len(ids))
+        state = ref.prefill(hf_model, torch.tensor(ids[:point]), query_window=-1)
+        want = hb.served_masks(state, options, BS)
+        got = _kept_masks(record, point)
+        assert sorted(got) == list(range(len(want))) and want, "every layer evicted"
+        for layer, mask in want.items():
+            assert got[layer].equal(mask), f"layer {layer}: kept entries differ"
+            counts = mask.sum(1)
+            assert int(counts.sum()) == 3 * (point - (point - BUDGET) // BS * BS)  # uniform total
+        assert len({tuple(m.sum(1).tolist()) for m in want.values()}) > 1  # spread per layer
+        rest = torch.tensor(ids[point:]) if point < len(ids) else None
+        logits = hb.forced_logits(hf_model, state, got, tokens, rest=rest)
+        assert logits.argmax(-1).tolist() == tokens, "vLLM's tokens are the masked argmax"
+
+
+def test_adakv_blocks_follow_the_sum_of_its_heads_kept_tokens(driver, cases):
+    engine, ids = driver.engine, cases[2][0]
+    ada = driver.add("ada", ids, 40, ignore_eos=True, **ADA)
+    snap = driver.add("snap", ids, 40, ignore_eos=True, kv_budget=BUDGET, kv_pipeline="snapkv")
+    sched = engine.scheduler
+    held = {ada: [], snap: []}
+    while engine.llm.llm_engine.has_unfinished_requests():
+        driver.step()
+        for rid in held:
+            if rid in sched.requests and sched.obcache_states[rid].dead:
+                held[rid].append((sched.requests[rid].num_computed_tokens,
+                                  engine.live_blocks(rid)))  # fmt: skip
+    assert held[ada] and held[ada] == held[snap], "adakv holds what uniform snapkv holds"
+    record = engine.runner.obcache.records[ada]
+    masks = _kept_masks(record, len(ids))
+    computed, blocks = held[ada][0]
+    widest = max(int(m.sum(1).max()) for m in masks.values())
+    for mask in masks.values():
+        # The layer's kept tokens, with the decode tokens written since, fit its blocks.
+        assert int(mask.sum()) + 3 * (computed - len(ids)) <= 3 * blocks * BS
+    # One table for every head would need the largest head's count in every head.
+    assert widest > blocks * BS
+    assert driver.outputs[ada] and len(driver.outputs[ada]) == 40
+    assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+def test_adakv_preempted_after_its_eviction_is_recomputed_to_the_same_tokens(driver, cases):
+    engine, ids = driver.engine, cases[1][0]
+    sched = engine.scheduler
+    first = driver.add("ada-once", ids, 24, ignore_eos=True, **ADA)
+    driver.run()
+    rid = driver.add("ada-preempted", ids, 24, ignore_eos=True, **ADA)
+    while len(sched.requests[rid].output_token_ids) < 6:
+        driver.step()
+    assert engine.runner.obcache.states[rid].head_layout is not None
+    request = sched.requests[rid]
+    sched.running.remove(request)
+    sched._preempt_request(request, time.monotonic())  # what vLLM does under memory pressure
+    out = driver.run()
+    assert out[rid] == out[first]
+    assert sched.obcache_finished[-1].evictions == 2  # evicted again after the recompute
+    assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+def test_adakv_at_the_pools_limit_with_other_budgets_of_one_prompt_and_an_abort(driver, cases):
+    """Eight requests at once over a 96-block pool (three prompts of 769-951 tokens: about
+    three fit uncompressed), two adakv budgets and snapkv on the same prompt, stock ones, one
+    aborted mid-way; each output equals its run alone."""
+    engine = driver.engine
+    ids = [ids for ids, _ in cases[:3]]
+    plan = [
+        ("a0", ids[0], ADA), ("a0-96", ids[0], {**ADA, "kv_budget": 96}),
+        ("s0", ids[0], {"kv_budget": BUDGET}), ("stock0", ids[0], None),
+        ("a1", ids[1], ADA), ("stock1", ids[1], None), ("a2", ids[2], ADA),
+        ("gone", ids[2], ADA),
+    ]  # fmt: skip
+    alone = {}
+    for name, prompt, extra in plan[:-1]:
+        alone[name] = _generate(engine, [prompt], [extra], max_tokens=24)[0][0]
+    rid = {name: driver.add(name, prompt, 24, ignore_eos=True, **(extra or {}))
+           for name, prompt, extra in plan}  # fmt: skip
+    for _ in range(6):
+        driver.step()
+    engine.llm.llm_engine.abort_request(["gone"])
+    out = driver.run()
+    assert max(len(step) for step in driver.trace) >= 6  # in flight together, some queued
+    for name, _, _ in plan[:-1]:
+        assert out[rid[name]] == alone[name], name
+    assert len(out.get(rid["gone"], [])) < 24
+    assert engine.free_blocks() == POOL_BLOCKS - 1
