@@ -91,6 +91,15 @@ adakv: setup
 	$(PY) scripts/adakv_eval.py $(ADAKV_ARGS) --out results/adakv
 	$(PY) scripts/adakv_eval.py $(ADAKV_ARGS) --layout --out results/adakv
 
+## AdaKV served (kv_pipeline adakv, per-head memory) against uniform snapkv through the real
+## engine: fidelity at the same kept tokens (results/fidelity-adakv), accuracy on two needle
+## tasks (results/eval-adakv) and serving at the pool's limit at the same fidelity, stock in the
+## same run (results/bench-adakv); see docs/contributing/per_head_memory.md
+adakv-served: setup
+	$(VENV)/bin/obcache-vllm eval fidelity --samples 6 --pipelines snapkv,adakv --budgets 0.1,0.2,0.3,0.4 --settings aware,agnostic --out results/fidelity-adakv
+	$(VENV)/bin/obcache-vllm eval run --results-dir results/eval-adakv --tasks niah_single,niah_multikey --lengths 1024 --samples 16 --pipelines snapkv,adakv --scorers attn,obcache_key --budgets 0.1,0.2,0.3 --settings query_aware,query_agnostic --no-progress
+	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --workloads adakv adakv-same-kept --repeats 1 --out results/bench-adakv
+
 ## What vLLM's CPU attention kernel pays when every KV head is its own sequence (per-head
 ## memory), against the stock call at equal kept tokens, outputs checked; results/head-layout
 head-layout: setup

@@ -381,7 +381,8 @@ USAGE_FIELDS: dict[str, str] = {
     "evictions": "evictions applied (1 at the end of the prefill, plus one per freed block "
     "with `kv_decode`, one per prefill chunk with `kv_prefill_evict`)",
     "prompt_tokens_kept": "prompt tokens left by the prefill eviction (`budget <= kept < "
-    "budget + block size`); the prompt's length when nothing was evicted",
+    "budget + block size`), per KV head (with `kv_pipeline: adakv`, the mean over the heads); "
+    "the prompt's length when nothing was evicted",
     "budget": "the budget used, in tokens (a fractional `kv_budget` resolved against the "
     "prompt, or against `kv_compress_at`; for an error target, its floor)",
     "max_error": "an error target's `max_error`",

@@ -65,6 +65,17 @@ FIDELITY_FQCN = "obcache_vllm.evidence.fidelity:FidelityProcessor"
 KINDS = ("bible", "code", "needle", "repeated", "chats")
 SETTINGS = ("aware", "agnostic")
 PIPELINES = ("tova", "snapkv", "h2o", "streaming")
+
+
+def host_of(pipeline: str) -> str | None:
+    """The uniform pipeline whose scores ``pipeline`` reallocates (adakv: snapkv), or None:
+    the reports pair its arms with the host's of the same scorer, budget and setting."""
+    from obcache_vllm.scoring import pipeline_class
+
+    try:
+        return pipeline_class(pipeline).host
+    except ValueError:
+        return None
 SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint")
 BOOTSTRAP = 2000
 CODE_MODULES = ("argparse", "json.decoder", "dataclasses", "inspect", "typing", "textwrap")
@@ -416,6 +427,12 @@ def summarize(per_request: dict[str, dict[str, dict]], samples: Sequence[str]) -
             continue
         diff = [per_request[arm][s]["kl"] - per_request[base][s]["kl"] for s in samples]
         out[arm]["kl_minus_attn"] = [round(x, 6) for x in interval(diff, draws)]
+    for arm in out:  # an allocation against its uniform host: same scorer, budget, setting
+        pipeline, _, rest = arm.partition("+")
+        host = f"{host_of(pipeline)}+{rest}" if host_of(pipeline) else None
+        if host in out:
+            diff = [per_request[arm][s]["kl"] - per_request[host][s]["kl"] for s in samples]
+            out[arm]["kl_minus_host"] = [round(x, 6) for x in interval(diff, draws)]
     return out
 
 
@@ -468,6 +485,22 @@ def render(results: dict) -> str:
             f"| {arm} | {s['kept_fraction'][0]:.3f} | {_fmt(s['kl'], 4)} | "
             f"{_fmt(s['agree'], 3)} | {_fmt(s['first_divergence'], 1)} | {diff} |"
         )
+    paired = sorted((arm for arm in summary if "kl_minus_host" in summary[arm]), key=order)
+    if paired:
+        lines += [
+            "",
+            "Each reallocating arm against its uniform host's arm of the same scorer, budget and "
+            "setting (the same kept tokens per layer), paired over the prompts:",
+            "",
+            "| arm | host | KL − host's | KL / host's |",
+            "|---|---|---|---|",
+        ]
+        for arm in paired:
+            pipeline, rest = arm.split("+", 1)
+            host = f"{host_of(pipeline)}+{rest}"
+            ratio = summary[arm]["kl"][0] / max(summary[host]["kl"][0], 1e-12)
+            lines.append(f"| {arm} | {host} | {_fmt(summary[arm]['kl_minus_host'], 4)} | "
+                         f"{ratio:.2f} |")  # fmt: skip
     check = results.get("topk_check")
     if check:
         lines += [
@@ -654,8 +687,10 @@ def main(args) -> int:
     """``obcache-vllm eval fidelity`` (arguments from :mod:`obcache_vllm.evidence.eval.command`):
     in process, over the whole vocabulary; with ``--server``, the top-k estimate over HTTP
     (:mod:`obcache_vllm.evidence.fidelity_topk`)."""
-    if args.report_only is not None:
+    if args.report_only is not None:  # the summary is derived again: new columns show up
         results = json.loads(args.report_only.read_text())
+        names = [sample["name"] for sample in results["samples"]]
+        results["summary"] = summarize(results["per_request"], names)
         for path in write_reports(results, args.out):
             print(path)
         return 0

@@ -50,6 +50,9 @@ class Pipeline:
     # (``select_heads``): the engine lays the request's cache out per head after its one
     # eviction, so nothing that assumes one block table for all heads may follow it.
     heads_own_memory: ClassVar[bool] = False
+    # The uniform pipeline whose scores it reallocates (evaluations pair it with that host at
+    # the same scorer and budget), or None.
+    host: ClassVar[str | None] = None
 
     per_head: bool = True
 
@@ -272,6 +275,7 @@ class AdaKV(SnapKV):
 
     name = "adakv"
     heads_own_memory = True
+    host = "snapkv"
 
     def select_heads(self, scores: Tensor, *, tail: int, body_blocks: int, block_size: int,
                      recent: int = 0, sinks: int = 0) -> list[Tensor]:  # fmt: skip

@@ -170,3 +170,31 @@ def test_adakv_at_the_pools_limit_with_other_budgets_of_one_prompt_and_an_abort(
         assert out[rid[name]] == alone[name], name
     assert len(out.get(rid["gone"], [])) < 24
     assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+@pytest.mark.parametrize(("fault", "fate"), [("score", "length"), ("compact:5", "error")],
+                         ids=["scoring-raises", "compaction-torn-at-layer-5"])  # fmt: skip
+def test_a_fault_in_adakvs_eviction_degrades_only_its_request(engine, cases, fault, fate):
+    """An injected fault (OBCACHE_VLLM_FAULTS=1, engine conftest) while an adakv request is
+    scored (nothing written: it goes on as stock) or written (layer 5 of 30: torn, finished
+    with an error); its neighbours, an adakv and a stock request, are as alone."""
+    ids = [ids for ids, _ in cases[:3]]
+    alone = [_generate(engine, [ids[i]], [extra])[0][0] for i, extra in ((1, ADA), (2, None))]
+    stock_faulty = _generate(engine, [ids[0]], [None])[0][0]
+    totals = engine.scheduler.obcache_totals
+    before = sum(totals.failures.values())
+    from vllm import SamplingParams
+
+    extras = [{**ADA, "obcache_fault": fault}, ADA, None]
+    params = [SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, extra_args=extra)
+              for extra in extras]  # fmt: skip
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got[1:] == alone
+    assert outs[0].outputs[0].finish_reason == fate
+    if fate == "length":
+        assert got[0] == stock_faulty  # uncompressed from the fault on: stock
+    else:
+        assert len(got[0]) < NEW
+    assert sum(totals.failures.values()) == before + 1
+    assert engine.free_blocks() == POOL_BLOCKS - 1

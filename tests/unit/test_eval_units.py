@@ -290,3 +290,15 @@ def test_session_conversations_ask_for_facts_they_state() -> None:
     table = sessions.table(answers, 4)
     assert "| a | **0.50** (n=2) | 1.00 | 0.00 | 0.00 |" in table
     assert "| a | 1.00 (n=1) | 0.00 (n=1) |" in table  # turn 2: system text; turn 4: first turn
+
+
+def test_report_pairs_adakv_with_snapkv_at_the_same_scorer_and_budget(tmp_path):
+    path = tmp_path / "results.jsonl"
+    append_result(path, _cell(samples=4), _record([0.0, 0.0, 1.0, 0.0]))  # snapkv
+    append_result(path, _cell(pipeline="adakv", samples=4), _record([1.0, 1.0, 1.0, 0.0]))
+    append_result(path, _cell(pipeline="adakv", samples=4, budget=0.3), _record([1.0] * 4))
+    report.write_report(tmp_path)
+    md = (tmp_path / "RESULTS.md").read_text()
+    section = md.split("## Reallocations against their uniform host")[1]
+    lines = [line for line in section.splitlines() if "| adakv |" in line]
+    assert len(lines) == 1 and "| 0.75 | 0.25 | +0.50" in lines[0] and "| 2 / 0 |" in lines[0]

@@ -59,6 +59,11 @@ def test_paired_bootstrap_interval_brackets_the_mean_and_pairs_the_draws():
     summary = fid.summarize(per_request, list("abcde"))
     assert summary["tova+obcache_key@0.2/aware"]["kl_minus_attn"] == [0.5, 0.5, 0.5]
     assert "kl_minus_attn" not in summary["tova+attn@0.2/aware"]
+    # A reallocation against its uniform host (adakv against snapkv), the same pairing.
+    hosted = {"snapkv+attn@0.2/aware": rows, "adakv+attn@0.2/aware": shifted}
+    paired = fid.summarize(hosted, list("abcde"))
+    assert paired["adakv+attn@0.2/aware"]["kl_minus_host"] == [0.5, 0.5, 0.5]
+    assert "kl_minus_host" not in paired["snapkv+attn@0.2/aware"]
     assert summary["tova+attn@0.2/aware"]["kl"][1] < 2.0 < summary["tova+attn@0.2/aware"]["kl"][2]
 
 

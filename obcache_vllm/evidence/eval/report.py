@@ -138,6 +138,39 @@ def paired_against(rows: Sequence[dict], baseline: str = "attn") -> list[str]:
     return out + [""]
 
 
+def paired_hosts(rows: Sequence[dict]) -> list[str]:
+    """Each reallocating pipeline's cell (adakv) against its uniform host's (snapkv) of the
+    same scorer, window, budget, setting and samples (Markdown lines; empty if none)."""
+    from obcache_vllm.evidence.fidelity import host_of
+
+    def group(r, pipeline):
+        return (r["engine"], r["task"], r["length"], r["setting"], pipeline, r["scorer"],
+                r["window"], r["per_head"], r["budget"], r["n"], r["seed"], r["chat"])  # fmt: skip
+
+    index = {group(r, r["pipeline"]): r for r in rows}
+    pairs = [(index[group(r, host_of(r["pipeline"]))], r) for r in rows
+             if r["pipeline"] != FULL and host_of(r["pipeline"])
+             and group(r, host_of(r["pipeline"])) in index]  # fmt: skip
+    if not pairs:
+        return []
+    out = ["## Reallocations against their uniform host, paired on the same samples", "",
+           "Difference = pipeline - host accuracy (adakv - snapkv) at the same scorer, window, "
+           "budget and samples, 95 % paired-bootstrap CI; better/worse = samples where it "
+           "scored higher/lower; p = two-sided exact sign test over those.", "",
+           "| engine | task | length | setting | scorer | budget | n | pipeline | accuracy | "
+           "host | difference [95 % CI] | better / worse | p |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    pairs.sort(key=lambda p: tuple(str(x) for x in group(p[1], p[1]["pipeline"])))
+    for b, r in pairs:
+        d = paired_difference(b["scores"], r["scores"])
+        out.append(f"| {r['engine']} | {r['task']} | {r['length']} | {r['setting']} | "
+                   f"{r['scorer']} | {r['budget']:.0%} | {r['n']} | {r['pipeline']} | "
+                   f"{r['accuracy']:.2f} | {b['accuracy']:.2f} | {d['difference']:+.2f} "
+                   f"[{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}] | {d['better']} / {d['worse']} "
+                   f"| {d['p_sign']:.2g} |")  # fmt: skip
+    return out + [""]
+
+
 def _fmt(row: dict) -> str:
     lo, hi = row["ci95"]
     return f"{row['accuracy']:.2f} [{lo:.2f}, {hi:.2f}]"
@@ -177,7 +210,8 @@ def markdown(rows: Sequence[dict]) -> str:
             cells = [_fmt(by_method[method][b]) if b in by_method[method] else "" for b in budgets]
             out.append(f"| {method} | " + " | ".join(cells) + " |")
         out.append("")
-    return "\n".join(out + paired_against(rows) + comparison(all_rows))  # fmt: skip
+    return "\n".join(out + paired_against(rows) + paired_hosts(rows)
+                     + comparison(all_rows))  # fmt: skip
 
 
 def comparison(rows: Sequence[dict]) -> list[str]:

@@ -1,0 +1,49 @@
+"""``kv_pipeline: adakv`` through the real server: served with its outcome in ``usage.obcache``
+and the eviction metrics, refused with a 400 naming the field for every option that would read
+or rewrite its per-head layout, and the server keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+from support.server import MODEL_NAME, Server
+
+from obcache_vllm import metrics as M
+from obcache_vllm.textgen import haystack
+
+BLOCK = 32
+
+
+def _body(**fields) -> dict:
+    text = haystack(14, seed=11) + "\nSummarize the trade records above in one sentence."
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}],
+            "max_tokens": 8, "temperature": 0, **fields}  # fmt: skip
+
+
+def test_adakv_is_served_with_its_outcome_in_usage(server: Server) -> None:
+    code, reply = server.post_json("/v1/chat/completions",
+                                   _body(kv_budget=64, kv_pipeline="adakv"))  # fmt: skip
+    assert code == 200, reply
+    kv, prompt = reply["usage"]["obcache"], reply["usage"]["prompt_tokens"]
+    assert kv["pipeline"] == "adakv" and kv["evictions"] == 1
+    # The same order as a uniform selection: kept per KV head on average, whole blocks freed.
+    assert 64 <= kv["prompt_tokens_kept"] < 64 + BLOCK, kv
+    assert kv["freed_blocks"] == kv["evicted_tokens"] // BLOCK > 0
+    assert kv["evicted_tokens"] == prompt - kv["prompt_tokens_kept"]
+    assert reply["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("kv_decode", True), ("kv_session", True), ("kv_prefill_evict", True),
+     ("kv_when", "pressure"), ("kv_per_head", False)],  # fmt: skip
+)
+def test_adakv_refusals_are_400_naming_the_field(server: Server, field, value) -> None:
+    before = server.metrics().value(M.REJECTED_REQUESTS.exposed, field=field)
+    code, reply = server.post_json("/v1/chat/completions",
+                                   _body(kv_budget=64, kv_pipeline="adakv", **{field: value}))
+    assert code == 400, reply
+    assert reply["error"]["param"] == field and "adakv" in reply["error"]["message"]
+    after = server.metrics().value(M.REJECTED_REQUESTS.exposed, field=field)
+    assert after == before + 1
+    code, reply = server.post_json("/v1/chat/completions", _body(kv_budget=64))
+    assert code == 200, reply
