@@ -60,7 +60,8 @@ class KvCacheView(Protocol):
     def scatter_head_blocks(self, ids: torch.Tensor, keys: torch.Tensor,
                             values: torch.Tensor) -> None:  # fmt: skip
         """Write keys/values [n, bs, D] into head-blocks ``ids`` [n] (``block * Hkv + head``:
-        one KV head's part of one block, see :mod:`obcache_vllm.eviction.heads`)."""
+        one KV head's part of one block, see :mod:`obcache_vllm.eviction.heads`). Only a view
+        whose ``per_head_reads`` is True is asked to (its backend reads per head)."""
         ...
 
 
@@ -145,6 +146,9 @@ def _compact_heads(plan, row: RowPlan, layer: str, view, blocks, keys, values, s
     head-blocks of the order's body (the layout of :mod:`obcache_vllm.eviction.heads`); the
     tail block stays as it is. ``keys``/``values`` [Hkv, N, D] are the resident tokens."""
     state, order, opts = row.state, row.order, row.state.options
+    if not getattr(view, "per_head_reads", False):  # before anything is written: contained
+        raise NotImplementedError("this layer's attention cannot read per head (a backend "
+                                  "without per-head memory, ALiBi or attention sinks)")  # fmt: skip
     bs = row.block_size
     tail, body_blocks = body_shape(order.logical_len, order.dead_after, bs)
     kept = state.pipeline.select_heads(scores, tail=tail, body_blocks=body_blocks, block_size=bs,

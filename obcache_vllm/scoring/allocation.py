@@ -23,6 +23,19 @@ from torch import Tensor
 ALPHA = 0.20
 
 
+def _ranked(scores: Tensor, sinks: int, recent: int) -> tuple[Tensor, Tensor]:
+    """(priority [Hkv, T], each head's entries best first [Hkv, T]): the first ``sinks`` and
+    last ``recent`` entries rank above every score, NaN below (ties to the lower index)."""
+    num_t = scores.shape[1]
+    priority = scores.to(torch.float64).nan_to_num(nan=float("-inf"))
+    fixed = torch.zeros(num_t, dtype=torch.bool, device=scores.device)
+    fixed[:sinks] = True
+    if recent:
+        fixed[num_t - recent :] = True
+    priority = priority.masked_fill(fixed, float("inf"))
+    return priority, torch.sort(priority, dim=1, descending=True, stable=True).indices
+
+
 def adaptive_keep(scores: Tensor, keep: int, *, recent: int = 0, sinks: int = 0,
                   alpha: float = ALPHA) -> Tensor:  # fmt: skip
     """The kept entries of one layer as a mask [Hkv, T]: ``keep * Hkv`` of them in all.
@@ -41,15 +54,9 @@ def adaptive_keep(scores: Tensor, keep: int, *, recent: int = 0, sinks: int = 0,
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     if sinks + recent > keep:
         raise ValueError(f"sinks ({sinks}) + recent ({recent}) exceed the kept count ({keep})")
-    priority = scores.to(torch.float64).nan_to_num(nan=float("-inf"))
-    fixed = torch.zeros(num_t, dtype=torch.bool, device=scores.device)
-    fixed[:sinks] = True
-    if recent:
-        fixed[num_t - recent :] = True
-    priority = priority.masked_fill(fixed, float("inf"))
+    priority, order = _ranked(scores, sinks, recent)
     floor = max(int(alpha * keep), sinks + recent)  # int(): as kvpress rounds it
     # Each head's own best ``floor`` (the fixed entries first).
-    order = torch.sort(priority, dim=1, descending=True, stable=True).indices  # [Hkv, T]
     kept = torch.zeros((heads, num_t), dtype=torch.bool, device=scores.device)
     kept.scatter_(1, order[:, :floor], True)
     # The rest of the layer's total: the best remaining entries across heads.
@@ -117,12 +124,6 @@ def adaptive_head_blocks(scores: Tensor, *, tail: int, body_blocks: int, block_s
             if spare and blocks[h] > least:
                 blocks[h] -= 1
                 spare += 1
-    priority = body.to(torch.float64).nan_to_num(nan=float("-inf"))
-    pinned = torch.zeros(body_t, dtype=torch.bool, device=scores.device)
-    pinned[:sinks] = True
-    if recent_body:
-        pinned[body_t - recent_body :] = True
-    priority = priority.masked_fill(pinned, float("inf"))
-    order = torch.sort(priority, dim=1, descending=True, stable=True).indices  # [Hkv, body_t]
+    order = _ranked(body, sinks, recent_body)[1]  # [Hkv, body_t]
     return [torch.cat([order[h, : blocks[h] * bs].sort().values, tail_index])
             for h in range(heads)]  # fmt: skip

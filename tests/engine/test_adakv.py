@@ -60,13 +60,16 @@ def _kept_masks(record, length: int) -> dict[int, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def cases(tokenizer):
-    """Three query-aware prompts (769-951 tokens) and one query-agnostic (compressed where
-    the question starts)."""
+    """Three query-aware prompts (769-951 tokens), one query-agnostic (compressed where the
+    question starts), and the first again with an 8-query window and ``attn``."""
     aware = [tokenizer(needle_prompt(24 + 3 * i, seed=i)[0]).input_ids for i in range(3)]
     context, question, _ = needle_parts(26, seed=5)
     ctx = tokenizer(context).input_ids
     agnostic = ctx + tokenizer(question).input_ids
-    return [(ids, dict(ADA)) for ids in aware] + [(agnostic, {**ADA, "kv_compress_at": len(ctx)})]
+    return [(ids, dict(ADA)) for ids in aware] + [
+        (agnostic, {**ADA, "kv_compress_at": len(ctx)}),
+        (aware[0], {**ADA, "kv_window": 8, "kv_scorer": "attn"}),  # another window and score
+    ]
 
 
 @pytest.fixture(scope="module")

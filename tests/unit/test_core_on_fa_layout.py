@@ -133,3 +133,25 @@ def test_every_rank_joins_each_shared_rows_collective_once_per_layer():
     assert c.outcome.failure[:2] == ("score", "injected") and c.outcome.compacted_layers == 0
     assert d.outcome.compacted_layers == 0 and d.outcome.failure is None
     assert (a.state.record["l1"] == a.state.record["l1"][0]).all()  # one ranking per layer
+
+
+def test_adakv_on_a_view_that_cannot_read_per_head_is_a_contained_fault_before_any_write():
+    """A backend without per-head memory (this FlashAttention view) never gets a per-head
+    layout: the row fails in its first layer, nothing written, and goes on uncompressed."""
+    gen = torch.Generator().manual_seed(5)
+    n, budget = 100, 40
+    cache = layer_cache_views(2, 24, HKV, BS, D, "LBNHC", torch.float32)[0]
+    table = torch.zeros((1, WIDTH), dtype=torch.int32)
+    table[0, :7] = torch.randperm(23, generator=gen)[:7].int() + 1
+    q = _request(gen, [cache], table[0], n)[2]
+    before = cache.clone()
+    order = EvictionOrder(logical_len=n, dead_before=0, dead_after=(n - budget) // BS,
+                          block_size=BS)  # fmt: skip
+    row = _row(0, {"kv_budget": budget, "kv_pipeline": "adakv", "kv_window": 8}, n, order, 0)
+    plan = StepPlan(dead=(0,), rows=(row,), block_size=BS)
+    plan.read_block_table = table
+    evict_after_attention(plan, "layer", q, FlashAttnKvView(cache, D), GEOM)
+    stage, reason, _ = row.outcome.failure
+    assert (stage, reason) == ("score", "NotImplementedError")
+    assert row.outcome.compacted_layers == 0 and not row.outcome.torn(1)
+    assert torch.equal(cache, before)

@@ -95,7 +95,11 @@ def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -
 class CpuKvView:
     """One layer's CPU paged cache, read and written by block id (see the module docstring)."""
 
-    def __init__(self, kv_cache: torch.Tensor, layout: PagedLayout, num_kv_heads: int) -> None:
+    def __init__(self, kv_cache: torch.Tensor, layout: PagedLayout, num_kv_heads: int,
+                 per_head_reads: bool = True) -> None:  # fmt: skip
+        # Whether this layer can read per head (:func:`attend_per_head`: no ALiBi slopes or
+        # attention sinks, which are per query head for the whole batch).
+        self.per_head_reads = per_head_reads
         self.block_size = layout.block_size
         self.layout = layout
         self.num_kv_heads = num_kv_heads
@@ -217,7 +221,8 @@ class CpuAdapter(BackendAdapter):
 
     def kv_view(self, kv_cache, layer, impl) -> CpuKvView:
         layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], impl.head_size)
-        return CpuKvView(kv_cache, layout, impl.num_kv_heads)
+        plain = impl.alibi_slopes is None and impl.sinks is None
+        return CpuKvView(kv_cache, layout, impl.num_kv_heads, per_head_reads=plain)
 
     def shift_reads(self, common_attn_metadata, plan: StepPlan):
         cm = common_attn_metadata
