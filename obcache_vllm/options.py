@@ -333,7 +333,6 @@ def _refuse_heads_memory(request: KvRequest) -> None:
          "an eviction under pressure"),
         ("kv_budget", budget.wire() if isinstance(budget, ErrorTarget) else None,
          "an error target"),
-        ("kv_per_head", None if request.per_head else False, "one ranking per layer"),
     ):  # fmt: skip
         if value is not None:
             raise KvOptionsError(
@@ -476,8 +475,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "head in memory of its own: the request's blocks follow the sum of its heads' kept "
         "tokens). `adakv` evicts once, at the compress point, on the CPU backend without "
         "tensor parallelism; not with `kv_decode`, `kv_prefill_evict`, `kv_session`, "
-        '`kv_when: "pressure"`, an error target or `kv_per_head: false`, and it neither '
-        "adopts nor leaves compressed entries",
+        '`kv_when: "pressure"` or an error target; `kv_per_head` has no effect on it (each '
+        "head ranks its own entries by definition), and it neither adopts nor leaves "
+        "compressed entries",
     ),
     OptionSpec(
         "kv_window", integer(1), 64, (int,), examples=(1, 8, 32),

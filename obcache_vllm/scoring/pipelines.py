@@ -276,6 +276,8 @@ class AdaKV(SnapKV):
     name = "adakv"
     heads_own_memory = True
     host = "snapkv"
+    # ``per_head`` is not read: each head ranks its own entries by definition (a server whose
+    # default is one ranking per layer still serves adakv as AdaKV).
 
     def select_heads(self, scores: Tensor, *, tail: int, body_blocks: int, block_size: int,
                      recent: int = 0, sinks: int = 0) -> list[Tensor]:  # fmt: skip

@@ -20,6 +20,7 @@ def _body(**fields) -> dict:
 
 
 def test_adakv_is_served_with_its_outcome_in_usage(server: Server) -> None:
+    """On the shipped policy (tova's defaults: one ranking per layer, a one-query window)."""
     code, reply = server.post_json("/v1/chat/completions",
                                    _body(kv_budget=64, kv_pipeline="adakv"))  # fmt: skip
     assert code == 200, reply
@@ -35,12 +36,12 @@ def test_adakv_is_served_with_its_outcome_in_usage(server: Server) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("kv_decode", True), ("kv_session", True), ("kv_prefill_evict", True),
-     ("kv_when", "pressure"), ("kv_per_head", False)],  # fmt: skip
+     ("kv_when", "pressure"), ("kv_budget", {"max_error": 0.05})],  # fmt: skip
 )
 def test_adakv_refusals_are_400_naming_the_field(server: Server, field, value) -> None:
     before = server.metrics().value(M.REJECTED_REQUESTS.exposed, field=field)
-    code, reply = server.post_json("/v1/chat/completions",
-                                   _body(kv_budget=64, kv_pipeline="adakv", **{field: value}))
+    fields = {"kv_budget": 64, "kv_pipeline": "adakv", field: value}
+    code, reply = server.post_json("/v1/chat/completions", _body(**fields))
     assert code == 400, reply
     assert reply["error"]["param"] == field and "adakv" in reply["error"]["message"]
     after = server.metrics().value(M.REJECTED_REQUESTS.exposed, field=field)

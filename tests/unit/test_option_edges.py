@@ -99,7 +99,6 @@ def test_the_wire_form_round_trips_and_refuses_what_it_does_not_know():
         pytest.param({"kv_session": True}, "kv_session", id="session"),
         pytest.param({"kv_when": "pressure"}, "kv_when", id="pressure"),
         pytest.param({"kv_budget": {"max_error": 0.05}}, "kv_budget", id="error-target"),
-        pytest.param({"kv_per_head": False}, "kv_per_head", id="layer-ranking"),
     ],
 )
 def test_adakv_refuses_what_would_read_or_rewrite_its_per_head_layout(extra, field):
@@ -109,6 +108,11 @@ def test_adakv_refuses_what_would_read_or_rewrite_its_per_head_layout(extra, fie
     assert "adakv" in str(info.value)
     # The same options on the uniform host are served.
     assert parse_kv_options({**BUDGET, "kv_pipeline": "snapkv", **extra}, 500) is not None
+
+
+def test_adakv_takes_a_layer_ranking_default_without_effect():
+    # The shipped server default is one ranking per layer (kv_per_head false): adakv ignores it.
+    assert parse_kv_options({**BUDGET, "kv_pipeline": "adakv", "kv_per_head": False}, 500)
 
 
 def test_adakv_never_joins_a_session_of_its_own_accord():
