@@ -239,9 +239,11 @@ class CpuAdapter(BackendAdapter):
 
     def head_reads(self, common_attn_metadata, plan: StepPlan, num_kv_heads: int) -> HeadReads:
         cm = common_attn_metadata
-        ids, lens = head_tables(cm.block_table_tensor, cm.seq_lens, plan.head_layouts,
-                                len(plan.layer_index), num_kv_heads, plan.block_size)  # fmt: skip
-        qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+        rows = cm.num_reqs  # the tables may carry padding rows; the regrouped batch does not
+        ids, lens = head_tables(cm.block_table_tensor[:rows], cm.seq_lens[:rows],
+                                plan.head_layouts, len(plan.layer_index), num_kv_heads,
+                                plan.block_size)  # fmt: skip
+        qsl = cm.query_start_loc_cpu[: rows + 1].tolist()
         index, starts = regroup_index(qsl, num_kv_heads)
         return HeadReads(dict(plan.layer_index), ids, lens, index, starts)
 
