@@ -105,8 +105,9 @@ def test_adakv_keeps_the_references_entries_and_generates_its_tokens(engine, cas
 
 def test_adakv_blocks_follow_the_sum_of_its_heads_kept_tokens(driver, cases):
     engine, ids = driver.engine, cases[2][0]
-    ada = driver.add("ada", ids, 40, ignore_eos=True, **ADA)
-    snap = driver.add("snap", ids, 40, ignore_eos=True, kv_budget=BUDGET, kv_pipeline="snapkv")
+    ada = driver.add("sum-ada", ids, 40, ignore_eos=True, **ADA)
+    snap = driver.add("sum-snap", ids, 40, ignore_eos=True, kv_budget=BUDGET,
+                      kv_pipeline="snapkv")  # fmt: skip
     sched = engine.scheduler
     held = {ada: [], snap: []}
     while engine.llm.llm_engine.has_unfinished_requests():
@@ -153,11 +154,13 @@ def test_adakv_at_the_pools_limit_with_other_budgets_of_one_prompt_and_an_abort(
     aborted mid-way; each output equals its run alone."""
     engine = driver.engine
     ids = [ids for ids, _ in cases[:3]]
+    # Request ids of their own: other tests find their requests by id prefix in the
+    # scheduler's finished records, which outlive a test.
     plan = [
-        ("a0", ids[0], ADA), ("a0-96", ids[0], {**ADA, "kv_budget": 96}),
-        ("s0", ids[0], {"kv_budget": BUDGET}), ("stock0", ids[0], None),
-        ("a1", ids[1], ADA), ("stock1", ids[1], None), ("a2", ids[2], ADA),
-        ("gone", ids[2], ADA),
+        ("limit-ada0", ids[0], ADA), ("limit-ada0-96", ids[0], {**ADA, "kv_budget": 96}),
+        ("limit-snap0", ids[0], {"kv_budget": BUDGET}), ("limit-stock0", ids[0], None),
+        ("limit-ada1", ids[1], ADA), ("limit-stock1", ids[1], None),
+        ("limit-ada2", ids[2], ADA), ("limit-gone", ids[2], ADA),
     ]  # fmt: skip
     alone = {}
     for name, prompt, extra in plan[:-1]:
@@ -166,12 +169,12 @@ def test_adakv_at_the_pools_limit_with_other_budgets_of_one_prompt_and_an_abort(
            for name, prompt, extra in plan}  # fmt: skip
     for _ in range(6):
         driver.step()
-    engine.llm.llm_engine.abort_request(["gone"])
+    engine.llm.llm_engine.abort_request(["limit-gone"])
     out = driver.run()
     assert max(len(step) for step in driver.trace) >= 6  # in flight together, some queued
     for name, _, _ in plan[:-1]:
         assert out[rid[name]] == alone[name], name
-    assert len(out.get(rid["gone"], [])) < 24
+    assert len(out.get(rid["limit-gone"], [])) < 24
     assert engine.free_blocks() == POOL_BLOCKS - 1
 
 
