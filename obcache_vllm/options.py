@@ -595,6 +595,11 @@ class _OptionsMethods:
         return make_pipeline(self.pipeline, per_head=self.per_head, **kwargs)
 
     @property
+    def heads_own_memory(self) -> bool:
+        """Whether its pipeline lays each KV head out in memory of its own (adakv)."""
+        return self._pipeline.heads_own_memory
+
+    @property
     def query_window(self) -> int:
         """How many of the last prompt queries the prefill score needs (0: none, -1: all),
         as the pipeline declares (its ``window``; None: every query)."""

@@ -140,7 +140,7 @@ class RequestBlocks:
         """The compressed entries it may adopt and leave behind (see ``eviction.entries``);
         none for a pipeline whose heads own their memory: an entry's blocks are read with one
         table for every head."""
-        if not self.reads_cache or self.options.build_scoring()[1].heads_own_memory:
+        if not self.reads_cache or self.options.heads_own_memory:
             return None
         if self.options.session:
             return "session"

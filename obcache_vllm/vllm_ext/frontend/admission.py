@@ -187,7 +187,7 @@ def _heads_memory_reason(vllm_config, options) -> str | None:
     """Why a pipeline whose heads own their memory (adakv) cannot run on this engine, or None:
     per-head memory is built for the CPU attention backend on one rank (see the per-head
     memory design: FlashAttention's call and each rank's own counts are not built yet)."""
-    if not options.build_scoring()[1].heads_own_memory:
+    if not options.heads_own_memory:
         return None
     name = options.pipeline
     if vllm_config.parallel_config.tensor_parallel_size > 1:
