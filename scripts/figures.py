@@ -14,13 +14,27 @@ it first (``x100`` for a percentage). The figure is the number written just befo
 In a list of records a key ``field=value&field=value`` picks the one record whose fields hold
 those values (``results/eval/results.json method=tova/attn/shared&budget=0.2|accuracy``); it
 must match exactly one (``summary.arm=stock`` looks inside a record's ``summary``). A ``.md``
-results file is addressed as ``TABLE|ROW|COLUMN[|N]``: the
-table's index in the file, the row by its first cell and the column by its header (or either
+results file (or a ``.txt`` one holding markdown tables) is addressed as ``TABLE|ROW|COLUMN[|N]``:
+the table's index in the file, the row by its first cell and the column by its header (or either
 by a 0-based index; ``_`` stands for a space), and the N-th number in that cell (first if left
 out), so ``results/bench/long_prefill.md 0|stock|prefill_s .2f``. In a JSON object too ``_``
 stands for a space in a key the file spells with one. ``KEYS::KEYS`` is the ratio of two
-numbers of the same file (``1.97x`` from two throughputs). In a markdown table row write each
-``|`` of KEYS as ``\\|``, or the row splits there.
+numbers (``1.97x`` from two throughputs) and ``KEYS:-:KEYS`` their difference; either side may
+name another file as ``results/other.json#KEYS``. In a markdown table row write each ``|`` of
+KEYS as ``\\|``, or the row splits there.
+
+A figure from an earlier run (a "before" beside an "after") names the file as it was committed
+then: ``results/bench-prefix/prefix.md@ebee2da 0|policy|vs_stock .2f`` reads it with ``git show``.
+
+Derived figures (a range, a median) take an aggregate in front of KEYS: ``min:``, ``max:``,
+``median:``, ``mean:``, ``sum:``, ``count:``, or ``count<X:`` / ``count>X:`` (how many are
+below or above X). Under one, ``*`` stands for every item of a list
+or object (every row or column of a markdown table) and a ``field=value`` record filter may match
+several records; a key holding ``*`` is a pattern (``adakv+obcache_*``, ``[ab]*``) over an
+object's keys or a table's first cells and headers. With a ratio or difference the two sides
+pair up by what each ``*`` matched and the aggregate takes the paired results:
+``median:a.json#arms|*|kl::b.json#arms|*|kl`` is the median of the arm-for-arm ratios (a side
+with no ``*`` pairs with every item of the other).
 
     .venv/bin/python scripts/figures.py --check    # every figure equals its source (exit 1 if not)
     .venv/bin/python scripts/figures.py --write    # rewrite every figure from its source
@@ -32,8 +46,11 @@ numbers of the same file (``1.97x`` from two throughputs). In a markdown table r
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import re
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,32 +122,134 @@ def _pick(labels: list[str], key: str) -> int:
     raise KeyError(f"{key} matches {len(hits)} rows or columns, not one")
 
 
-def md_value(tables: list, keys: str) -> float:
-    """The number at ``TABLE|ROW|COLUMN[|N]`` of a markdown file's tables."""
+AGGREGATES = {
+    "min": min,
+    "max": max,
+    "median": lambda xs: statistics.median(xs),
+    "mean": lambda xs: statistics.fmean(xs),
+    "sum": sum,
+    "count": len,
+}
+
+
+def _load(root: Path, path: str, cache: dict):
+    if path not in cache:
+        file, _, rev = path.partition("@")
+        if rev:  # an earlier run's file, as committed then: results/x.md@ebee2da
+            text = subprocess.run(["git", "show", f"{rev}:{file}"], cwd=root, check=True,
+                                  capture_output=True, text=True).stdout  # fmt: skip
+        else:
+            text = (root / path).read_text()
+        cache[path] = md_tables(text) if file.endswith((".md", ".txt")) else json.loads(text)
+    return cache[path]
+
+
+def _number(value, where: str) -> int | float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{where}: {value!r} is not a number")
+    return value
+
+
+def _expand(value, keys: list[str], label: tuple = ()):
+    """``(label, item)`` for every item ``keys`` reach from ``value``; ``label`` holds what
+    each ``*`` matched, so two sides of a ratio can pair up item for item."""
+    if not keys:
+        yield label, value
+        return
+    key, rest = keys[0], keys[1:]
+    if "*" in key:  # every item, or every key or record name the pattern matches
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if key == "*" or fnmatch.fnmatchcase(str(k), key):
+                yield from _expand(v, rest, (*label, k))
+    elif isinstance(value, list) and "=" in key:
+        hits = [(i, r) for i, r in enumerate(value) if _holds(r, key)]
+        if not hits:
+            raise KeyError(f"{key} matches no record")
+        for i, r in hits:
+            yield from _expand(r, rest, (*label, i) if len(hits) > 1 else label)
+    else:
+        yield from _expand(_item(value, key), rest, label)
+
+
+def _matching(labels: list[str], key: str) -> list[int]:
+    """The indices ``key`` picks: one label, or every label its ``*`` pattern matches."""
+    if "*" not in key:
+        return [_pick(labels, key)]
+    hits = [i for i, lab in enumerate(labels) if fnmatch.fnmatchcase(lab.replace(" ", "_"), key)]
+    if not hits:
+        raise KeyError(f"{key} matches no row or column")
+    return hits
+
+
+def _md_values(tables: list, keys: str):
+    """``(label, number)`` for ``TABLE|ROW|COLUMN[|N]``, where ROW or COLUMN may be ``*``."""
     table, row, col, *nth = keys.split("|")
     header, *body = tables[int(table)]
-    cell = body[_pick([r[0] for r in body], row)][_pick(header, col)]
-    number = NUMBER.findall(cell)[int(nth[0]) if nth else 0].replace(",", "")
-    return float(number) if "." in number else int(number)
+    rows = _matching([r[0] for r in body], row)
+    cols = _matching(header, col)
+    for r in rows:
+        for c in cols:
+            numbers = NUMBER.findall(body[r][c])
+            if not numbers and "*" in row + col:
+                continue  # a label column, or a cell with no figure: not one of the items
+            number = numbers[int(nth[0]) if nth else 0].replace(",", "")
+            label = (body[r][0],) * ("*" in row) + (header[c],) * ("*" in col)
+            yield label, float(number) if "." in number else int(number)
+
+
+def _values(root: Path, path: str, keys: str, cache: dict) -> list[tuple[tuple, int | float]]:
+    """Every ``(label, number)`` one side of an expression names."""
+    if "#" in keys:  # another file: results/other.json#KEYS
+        path, keys = keys.split("#", 1)
+    data = _load(root, path, cache)
+    if path.partition("@")[0].endswith((".md", ".txt")):
+        return list(_md_values(data, keys))
+    out = [(lab, _number(v, f"{path} {keys}")) for lab, v in _expand(data, keys.split("|"))]
+    if not out:
+        raise KeyError(f"{path} {keys} names no number")
+    return out
+
+
+def _combine(left: list, right: list, op) -> list[tuple[tuple, float]]:
+    if len(right) == 1 and not right[0][0]:
+        return [(lab, op(v, right[0][1])) for lab, v in left]
+    if len(left) == 1 and not left[0][0]:
+        return [(lab, op(left[0][1], v)) for lab, v in right]
+    by_label = dict(right)
+    if set(by_label) != {lab for lab, _ in left}:
+        raise KeyError("the two sides do not match item for item")
+    return [(lab, op(v, by_label[lab])) for lab, v in left]
 
 
 def source_value(root: Path, path: str, keys: str, cache: dict) -> int | float:
-    """The number at ``keys`` in the results file ``path`` (relative to ``root``)."""
+    """The number ``keys`` names in the results file ``path`` (relative to ``root``)."""
     keys = keys.replace("\\|", "|")  # "\|" inside a markdown table row, where "|" splits cells
-    if "::" in keys:  # a ratio of two numbers of the same file
+    agg, sep, rest = keys.partition(":")
+    below = re.fullmatch(r"count([<>])(-?[\d.]+)", agg) if sep else None
+    if sep and (agg in AGGREGATES or below):
+        keys = rest
+    else:
+        agg = None
+    if "::" in keys:
         top, bottom = keys.split("::")
-        return source_value(root, path, top, cache) / source_value(root, path, bottom, cache)
-    if path not in cache:
-        text = (root / path).read_text()
-        cache[path] = md_tables(text) if path.endswith(".md") else json.loads(text)
-    if path.endswith(".md"):
-        return md_value(cache[path], keys)
-    value = cache[path]
-    for key in keys.split("|"):
-        value = _item(value, key)
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValueError(f"{path} {keys}: {value!r} is not a number")
-    return value
+        items = _combine(_values(root, path, top, cache), _values(root, path, bottom, cache),
+                         lambda a, b: a / b)  # fmt: skip
+    elif ":-:" in keys:
+        top, bottom = keys.split(":-:")
+        items = _combine(_values(root, path, top, cache), _values(root, path, bottom, cache),
+                         lambda a, b: a - b)  # fmt: skip
+    else:
+        items = _values(root, path, keys, cache)
+    numbers = [v for _, v in items]
+    if below:  # count<0: how many of the numbers are below 0 ("24 of 24 intervals below zero")
+        bound = float(below[2])
+        return sum(1 for v in numbers if (v < bound if below[1] == "<" else v > bound))
+    if agg:
+        return AGGREGATES[agg](numbers)
+    if len(numbers) != 1:
+        raise KeyError(f"{path} {keys} names {len(numbers)} numbers: give an aggregate (min:, ...)")
+    return numbers[0]
 
 
 def rendered(value: int | float, spec: str, scale: str | None) -> str:
@@ -171,7 +290,8 @@ def check(root: Path = ROOT) -> list[str]:
                     line = text.count("\n", 0, m.start()) + 1
                     bad.append(f"{page.relative_to(root)}:{line}: {m['num']} but {m['path']} "
                                f"{m['keys']} gives {expected}")  # fmt: skip
-        except (OSError, KeyError, IndexError, ValueError) as exc:
+        except (OSError, KeyError, IndexError, ValueError, subprocess.CalledProcessError,
+                ZeroDivisionError) as exc:
             bad.append(f"{page.relative_to(root)}: {type(exc).__name__}: {exc}")
     return bad
 

@@ -19,9 +19,11 @@ so unit tests never pay for it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -179,10 +181,26 @@ def _ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+# --- the run's own record of itself ---------------------------------------------------------
+# The testing and installation pages quote how many tests the suite has and how long a fresh
+# clone takes; those figures come from this record (results/ci/suite.json, written by a run
+# under CI=true, then committed), never from a hand-copied log line.
+SUITE_RECORD = Path(__file__).resolve().parents[1] / "results" / "ci" / "suite.json"
+_started = time.time()
+_tiers: dict[str, dict[str, float]] = {}
+_outcomes: dict[str, int] = {}
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         _skipped.append(f"{report.nodeid}: {reason}")
+    tier = _tiers.setdefault(report.nodeid.split("/")[1] if "/" in report.nodeid else "other",
+                             {"tests": 0, "seconds": 0.0})  # fmt: skip
+    tier["seconds"] += report.duration  # setup and teardown too: a shared engine starts there
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        tier["tests"] += 1
+        _outcomes[report.outcome] = _outcomes.get(report.outcome, 0) + 1
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -190,8 +208,42 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _suite_record(exitstatus: int) -> dict:
+    seconds = time.time() - _started
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or None,
+        "cpus": os.cpu_count(),
+        "exit_status": int(exitstatus),
+        "tests": sum(_outcomes.values()),
+        "passed": _outcomes.get("passed", 0),
+        "failed": _outcomes.get("failed", 0),
+        "skipped": len(_skipped),
+        "seconds": round(seconds, 1),
+        "minutes": round(seconds / 60, 1),
+        "tiers": {k: {"tests": v["tests"], "seconds": round(v["seconds"], 1)}
+                  for k, v in sorted(_tiers.items())},  # fmt: skip
+    }
+
+
+def _whole_suite(config: pytest.Config) -> bool:
+    """Whether this run is the whole suite (no paths, -m or -k): only that one is recorded."""
+    paths = [a for a in config.invocation_params.args if Path(a.split("::")[0]).exists()]
+    return not (paths or config.option.markexpr or config.option.keyword
+                or config.option.collectonly)  # fmt: skip
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if _ci() and _skipped:
         terminalreporter.section("skipped under CI=true: each is a failure", sep="=", red=True)
         for line in _skipped:
             terminalreporter.write_line(line)
+    record = _suite_record(exitstatus)
+    terminalreporter.write_line(
+        f"suite: {record['tests']} tests, {record['passed']} passed, {record['failed']} failed, "
+        f"{record['skipped']} skipped, {record['seconds']:.0f} s ({record['minutes']} min) "
+        "of pytest")
+    if _ci() and _whole_suite(config) and record["tests"]:
+        SUITE_RECORD.parent.mkdir(parents=True, exist_ok=True)
+        SUITE_RECORD.write_text(json.dumps(record, indent=1) + "\n")
+        terminalreporter.write_line(f"suite record: {SUITE_RECORD}")

@@ -379,3 +379,30 @@ def test_figures_address_records_and_markdown_tables(tmp_path: Path) -> None:
                 "0<!--fig results/t.md 0|nope|prefill_s .0f-->"):
         with pytest.raises(KeyError):
             list(figures.figures(bad, tmp_path))
+
+
+def test_figures_derive_ranges_medians_and_cross_file_ratios(tmp_path: Path) -> None:
+    """A range's ends, a median of arm-for-arm ratios and a difference between two files come
+    from the files too, not from a hand-computed number."""
+    figures = _figures_module()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "a.json").write_text(
+        '{"arms": {"x": {"kl": 0.2}, "y": {"kl": 0.5}, "z": {"kl": 0.9}}, "rows": '
+        '[{"m": "p", "acc": 0.25}, {"m": "p", "acc": 0.75}, {"m": "q", "acc": 1.0}]}')
+    (tmp_path / "results" / "b.json").write_text(
+        '{"arms": {"x": {"kl": 0.4}, "y": {"kl": 0.5}, "z": {"kl": 3.0}}, "base": 0.1}')
+    table = "| c | v |\n|---|---|\n| a | 3 |\n| b | 7 |\n| c | 9 |\n"
+    (tmp_path / "results" / "t.md").write_text(table)
+    value = lambda keys: figures.source_value(tmp_path, "results/a.json", keys, {})  # noqa: E731
+    assert value("min:arms|*|kl") == 0.2 and value("max:arms|*|kl") == 0.9
+    assert value("median:arms|*|kl::results/b.json#arms|*|kl") == 0.5  # 0.5, 1.0, 0.3
+    assert value("max:arms|*|kl::results/b.json#base") == pytest.approx(9.0)
+    assert value("arms|z|kl:-:results/b.json#arms|z|kl") == pytest.approx(-2.1)
+    assert value("mean:rows|m=p|acc") == 0.5 and value("count:rows|*|acc") == 3
+    assert value("count<0.5:rows|*|acc") == 1 and value("count>0.3:arms|*|kl") == 2
+    assert figures.source_value(tmp_path, "results/t.md", "sum:0|*|v", {}) == 19
+    assert figures.source_value(tmp_path, "results/t.md", "max:0|[ab]*|v", {}) == 7
+    assert value("median:arms|[xy]*|kl") == pytest.approx(0.35)
+    for bad in ("arms|*|kl", "median:arms|*|kl::results/b.json#rows|*|acc", "rows|m=p|acc"):
+        with pytest.raises(KeyError):
+            value(bad)
