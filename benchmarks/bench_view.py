@@ -8,12 +8,15 @@ compares the two ways of reading a slab permutation: ``torch.gather`` with a bro
 Usage::
 
     .venv/bin/python benchmarks/bench_view.py            # N = 96 (a decode eviction) and 8,192
+    .venv/bin/python benchmarks/bench_view.py --out results/bench/view.md   # the committed table
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,15 +38,18 @@ def _us(fn, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, nargs="+", default=[96, 8192])
+    ap.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     k_off = (torch.arange(D).view(1, D) * BS + torch.arange(BS).view(BS, 1)).reshape(-1)
     layout = PagedLayout(BS, D, k_off, BS * D + torch.arange(BS * D))  # the vec layout
     geom = HeadGeometry(HQ, HKV, D, D**-0.5)
     scorer, pipeline = make_scorer("obcache_key"), make_pipeline("tova", per_head=False)
-    print("| tokens | gather (ours) us | index_select slab us | score us | select us "
-          "| scatter us |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    lines = [f"bench_view.py, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, one thread, "
+             f"{platform.processor() or platform.machine()}", "",
+             "| tokens | gather (ours) us | index_select slab us | score us | select us "
+             "| scatter us |", "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    print("\n".join(lines))
     for n in args.tokens:
         nb = -(-n // BS)
         cache = torch.randn(nb + 8, HKV, BS, 2 * D)
@@ -65,8 +71,11 @@ def main() -> None:
         kk = torch.gather(k.transpose(0, 1), 1, idx)[None]
         vv = torch.gather(v.transpose(0, 1), 1, idx)[None]
         scatter = _us(lambda: view.scatter(blocks[:, 1:], kk, vv), repeats)  # noqa: B023
-        print(f"| {n} | {gather:.0f} | {old:.0f} (K only) | {score:.0f} | {select:.0f} "
-              f"| {scatter:.0f} |")
+        lines.append(f"| {n} | {gather:.0f} | {old:.0f} (K only) | {score:.0f} | {select:.0f} "
+                     f"| {scatter:.0f} |")  # fmt: skip
+        print(lines[-1])
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ Derived figures (a range, a median) take an aggregate in front of KEYS: ``min:``
 below or above X). Under one, ``*`` stands for every item of a list
 or object (every row or column of a markdown table) and a ``field=value`` record filter may match
 several records; a key holding ``*`` is a pattern (``adakv+obcache_*``, ``[ab]*``) over an
-object's keys or a table's first cells and headers. With a ratio or difference the two sides
+object's keys or a table's first cells and headers, and ``!`` leaves a pattern out
+(``*@*!h2o*``: every arm but h2o's). With a ratio or difference the two sides
 pair up by what each ``*`` matched and the aggregate takes the paired results:
 ``median:a.json#arms|*|kl::b.json#arms|*|kl`` is the median of the arm-for-arm ratios (a side
 with no ``*`` pairs with every item of the other).
@@ -160,7 +161,7 @@ def _expand(value, keys: list[str], label: tuple = ()):
     if "*" in key:  # every item, or every key or record name the pattern matches
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for k, v in items:
-            if key == "*" or fnmatch.fnmatchcase(str(k), key):
+            if key == "*" or _fits(str(k), key):
                 yield from _expand(v, rest, (*label, k))
     elif isinstance(value, list) and "=" in key:
         hits = [(i, r) for i, r in enumerate(value) if _holds(r, key)]
@@ -172,11 +173,20 @@ def _expand(value, keys: list[str], label: tuple = ()):
         yield from _expand(_item(value, key), rest, label)
 
 
+def _fits(name: str, pattern: str) -> bool:
+    """Whether ``name`` fits ``pattern``: an fnmatch pattern, then ``!pattern`` for each kind
+    to leave out (``*@*!h2o*!full``: every arm but h2o's and the full cache). ``!`` rather than
+    fnmatch's ``[!h]``, which the site's markdown would read as a link reference."""
+    want, *without = pattern.split("!")
+    return fnmatch.fnmatchcase(name, want) and not any(
+        fnmatch.fnmatchcase(name, w) for w in without)
+
+
 def _matching(labels: list[str], key: str) -> list[int]:
     """The indices ``key`` picks: one label, or every label its ``*`` pattern matches."""
     if "*" not in key:
         return [_pick(labels, key)]
-    hits = [i for i, lab in enumerate(labels) if fnmatch.fnmatchcase(lab.replace(" ", "_"), key)]
+    hits = [i for i, lab in enumerate(labels) if _fits(lab.replace(" ", "_"), key)]
     if not hits:
         raise KeyError(f"{key} matches no row or column")
     return hits

@@ -324,6 +324,85 @@ def _figures_module():
     return module
 
 
+# A figure that looks measured: a ratio ("1.23x"), a number with two or more decimals, or a
+# percentage with a decimal. On a user-facing page each carries its source (an annotation
+# scripts/figures.py checks) or sits on a line naming the command that printed it; the rest are
+# settings, targets, versions or approximations, each listed here with why.
+MEASURED = re.compile(
+    r"(?<![\w.\-/@~])(\d[\d,]*\.\d{2,}(?![\d.])|\d[\d,]*(?:\.\d+)?x\b|\d+\.\d+ ?%)")
+COMMAND = re.compile(r"`[^`]*(make |python|pytest|obcache-vllm |\.venv/bin|scripts/|benchmarks/"
+                     r"|loadtest|git show)[^`]*`")  # fmt: skip
+UNTRACED = {  # (page, figure): how many times it may appear without a source, and why
+    ("README.md", "3.11"): (1, "Python version"),
+    ("docs/contributing/per_head_memory.md", "1.6x"): (1, "an input: the synthetic heads' sizes"),
+    ("docs/contributing/per_head_memory.md", "1x"): (1, "an input: the synthetic heads' sizes"),
+    ("docs/contributing/per_head_memory.md", "0.4x"): (1, "an input: the synthetic heads' sizes"),
+    ("docs/deploying/images.md", "2.15"): (1, "hadolint's version"),
+    ("docs/deploying/load_testing.md", "0.32"): (1, "vLLM's version"),
+    ("docs/deploying/monitoring.md", "0.0316"): (1, "printed by the test on the next line"),
+    ("docs/deploying/monitoring.md", "2.42"): (1, "Prometheus's version"),
+    ("docs/deploying/soak.md", "0.25"): (1, "a budget the soak sends"),
+    ("docs/evidence/accuracy.md", "1.00"): (1, "printed by tova_per_head_check.py, next line"),
+    ("docs/evidence/accuracy.md", "0.25"): (1, "the Wilson interval's width at n = 12"),
+    ("docs/evidence/compat.md", "0.33"): (1, "vLLM's version"),
+    ("docs/evidence/performance.md", "2x"): (1, "a target"),
+    ("docs/evidence/performance.md", "8x"): (1, "batch 8 against batch 1, by construction"),
+    ("docs/evidence/performance.md", "1.6x"): (3, "a target"),
+    ("docs/evidence/performance.md", "0.8x"): (1, "a target"),
+    ("docs/evidence/prefix_caching.md", "0.25"): (3, "a budget the arms use"),
+    ("docs/evidence/prefix_caching.md", "0.13"): (2, "before the work; no file kept, it says"),
+    ("docs/evidence/prefix_caching.md", "34x"): (1, "before the work; no file kept, it says"),
+    ("docs/evidence/prefix_caching.md", "0.64"): (1, "a run the page says was kept outside"),
+    ("docs/evidence/pressure.md", "0.25"): (2, "a budget the arms use"),
+    ("docs/evidence/pressure.md", "0.98"): (1, "a target"),
+    ("docs/evidence/sessions.md", "0.05"): (1, "the sampling error's size, a reading guide"),
+    ("docs/evidence/sessions.md", "1.5x"): (1, "a target"),
+    ("docs/evidence/sessions.md", "0.25"): (1, "a budget the arms use"),
+    ("docs/user_guide/choosing.md", "0.25"): (1, "the Wilson interval's width at n = 12"),
+    ("docs/user_guide/error_target.md", "0.01"): (1, "an example target"),
+    ("docs/user_guide/error_target.md", "0.03"): (1, "a target of the calibration grid"),
+    ("docs/user_guide/options.md", "0.33"): (1, "vLLM's version"),
+    ("docs/user_guide/server.md", "0.25"): (1, "a default setting"),
+    ("docs/user_guide/sessions.md", "0.25"): (1, "a default setting"),
+    ("docs/user_guide/troubleshooting.md", "0.25"): (1, "a default setting"),
+}
+
+
+def _untraced_figures(page: Path) -> list[tuple[int, str]]:
+    """``(line, figure)`` for every measured-looking figure of ``page`` with no source."""
+    found, fenced = [], False
+    for n, line in enumerate(page.read_text().splitlines(), start=1):
+        if line.strip().startswith(("```", "~~~")):
+            fenced = not fenced
+            continue
+        if fenced or line.lstrip().startswith("--8<--") or COMMAND.search(line):
+            continue
+        text = re.sub(r"\d[\d,.]*<!--fig.*?-->", "@", line)  # an annotated figure
+        text = re.sub(r"<!--.*?-->|`[^`]*`|\]\([^)]*\)", "", text)  # comments, code, link targets
+        for m in MEASURED.finditer(text):
+            before = text[: m.start()]
+            if not re.search(r"(vLLM|Python|torch|triton|CUDA|version|v)[ -]?$", before, re.I):
+                found.append((n, m.group(0)))
+    return found
+
+
+def test_every_measured_looking_figure_carries_its_source() -> None:
+    """Ratios, figures with two decimals and decimal percentages on a user-facing page come from
+    a results file (an annotation), or from the command on their line, or are listed above."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for page in _user_pages():
+        if "reference" in page.relative_to(ROOT).parts:
+            continue  # generated from the code
+        for n, figure in _untraced_figures(page):
+            counts.setdefault((str(page.relative_to(ROOT)), figure), []).append(n)
+    unexplained = [f"{page}:{lines}: {figure}" for (page, figure), lines in sorted(counts.items())
+                   if len(lines) > UNTRACED.get((page, figure), (0, ""))[0]]  # fmt: skip
+    assert not unexplained, ("figures with no source (annotate them, scripts/figures.py):\n"
+                             + "\n".join(unexplained))  # fmt: skip
+    stale = sorted(set(UNTRACED) - set(counts))
+    assert not stale, f"listed as untraced but no longer on the page: {stale}"
+
+
 def test_every_annotated_figure_equals_its_source() -> None:
     """Figures carrying ``<!--fig PATH KEYS SPEC [xN]-->`` equal what their results file
     gives (scripts/figures.py --write rewrites them after a rerun)."""
@@ -403,6 +482,7 @@ def test_figures_derive_ranges_medians_and_cross_file_ratios(tmp_path: Path) -> 
     assert figures.source_value(tmp_path, "results/t.md", "sum:0|*|v", {}) == 19
     assert figures.source_value(tmp_path, "results/t.md", "max:0|[ab]*|v", {}) == 7
     assert value("median:arms|[xy]*|kl") == pytest.approx(0.35)
+    assert value("median:arms|*!z|kl") == pytest.approx(0.35)
     for bad in ("arms|*|kl", "median:arms|*|kl::results/b.json#rows|*|acc", "rows|m=p|acc"):
         with pytest.raises(KeyError):
             value(bad)
