@@ -33,6 +33,10 @@ PAGES = (
     "evidence/pressure",
     "user_guide/choosing",
     "contributing/per_head_memory#the-cpu-kernel-regrouped-measured",
+    "user_guide/gpus#what-ran-where",
+    "evidence/performance#four-long-requests-at-once-where-the-time-goes",
+    "evidence/prefix_caching#before",
+    "user_guide/prefix_caching",
 )
 
 
