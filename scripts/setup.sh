@@ -12,7 +12,9 @@
 #      `promtool` exist, or when OBCACHE_VLLM_SYSTEM_PACKAGES=0 (the Docker image),
 #   5. under CI=true, fail with the name of every command the suite needs and cannot find
 #      (kubectl, promtool, prometheus, bible): a skipped capability test would fail the run,
-#   6. provision the default model (`obcache-vllm model pull`).
+#   6. provision the default model (`obcache-vllm model pull`),
+#   7. under CI=true, record how long each step took in results/ci/setup.json (the installation
+#      page quotes a fresh clone's setup time from it).
 # Idempotent: steps 2-3 are skipped while .venv/.obcache-setup-stamp matches the hash of
 # pyproject.toml, this script, the extras and the checkout path; step 5 is instant once the model cache is valid.
 #
@@ -31,6 +33,7 @@ EXTRAS="${OBCACHE_VLLM_EXTRAS:-cpu,dev,eval}"
 STAMP="$VENV/.obcache-setup-stamp"
 
 say() { echo "[setup] $*" >&2; }
+started=$SECONDS
 
 # The repository path is part of the key: a moved checkout gets its scripts regenerated.
 key="$({ cat pyproject.toml "${BASH_SOURCE[0]}"; echo "extras=$EXTRAS root=$PWD"; } | sha256sum | cut -d' ' -f1)"
@@ -45,7 +48,10 @@ if ! "$VENV/bin/python" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/d
     "$PYTHON" -m venv "$VENV"
 fi
 
+install_started=$SECONDS
+installed=false
 if [[ "$(cat "$STAMP" 2>/dev/null || true)" != "$key" ]]; then
+    installed=true
     say "installing obcache-vllm[$EXTRAS] in $VENV (first time: a few minutes, ~4 GB)"
     "$VENV/bin/python" -m pip install -e ".[$EXTRAS]"
     say "removing torchvision torchaudio torchcodec (built against another torch)"
@@ -63,6 +69,8 @@ fi
 #               The tests start their own Prometheus on loopback; on a host booted with systemd
 #               Debian also enables the packaged service on :9090 (`systemctl disable --now
 #               prometheus` if unwanted). No recommends (node-exporter and its tools).
+install_s=$((SECONDS - install_started))
+packages_started=$SECONDS
 apt_best_effort() {  # PACKAGE COMMAND PURPOSE
     local pkg="$1" cmd="$2" why="$3"
     if command -v "$cmd" >/dev/null 2>&1; then
@@ -99,6 +107,15 @@ if [[ "${CI:-}" == true ]]; then
     fi
 fi
 
+packages_s=$((SECONDS - packages_started))
+model_started=$SECONDS
 say "provisioning the default model"
 "$VENV/bin/obcache-vllm" model pull >/dev/null
-say "done: model at $("$VENV/bin/obcache-vllm" model path)"
+model_s=$((SECONDS - model_started))
+say "done in $((SECONDS - started)) s: model at $("$VENV/bin/obcache-vllm" model path)"
+if [[ "${CI:-}" == true ]]; then
+    mkdir -p results/ci
+    printf '{"date": "%s", "commit": "%s", "seconds": %d, "venv_installed": %s, "install_seconds": %d, "packages_seconds": %d, "model_seconds": %d}\n' \
+        "$(date -u '+%Y-%m-%d %H:%M UTC')" "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+        "$((SECONDS - started))" "$installed" "$install_s" "$packages_s" "$model_s" >results/ci/setup.json
+fi

@@ -136,7 +136,16 @@ def test_targets_in_flight_together_get_what_they_get_alone(engine, docs) -> Non
         (alone,) = _run(engine, [(ids, kv)])
         assert list(out.outputs[0].token_ids) == list(alone.outputs[0].token_ids), kv
         if kv is not None:
-            assert _outcome(out) == _outcome(alone), kv
+            got, want = dict(_outcome(out)), dict(_outcome(alone))
+            # The error is a float the model's own Q/K/V feed: on the CPU their last bits
+            # depend on the batch a request shares (oneDNN picks its kernel by the batch's
+            # tokens; seen on an AMD EPYC: 0.0078893240 alone, 0.0078893231 in the batch).
+            # What the target decides (the count) and the rest of the outcome must be exact.
+            err = got.pop("estimated_error", None), want.pop("estimated_error", None)
+            assert got == want, kv
+            assert (err[0] is None) == (err[1] is None), kv  # only a target estimates one
+            if err[0] is not None:
+                assert err[0] == pytest.approx(err[1], rel=1e-5, abs=1e-9), kv
 
 
 def test_a_target_reads_a_cached_prefix_without_writing_it(engine, docs) -> None:
