@@ -23,8 +23,9 @@ numbers (``1.97x`` from two throughputs) and ``KEYS:-:KEYS`` their difference; e
 name another file as ``results/other.json#KEYS``. In a markdown table row write each ``|`` of
 KEYS as ``\\|``, or the row splits there.
 
-A figure from an earlier run (a "before" beside an "after") names the file as it was committed
-then: ``results/bench-prefix/prefix.md@ebee2da 0|policy|vs_stock .2f`` reads it with ``git show``.
+A figure from an earlier run (a "before" beside an "after") names that run's file as it was
+committed then, kept under ``results/earlier/<commit>/`` (``git show <commit>:results/...``), so
+a shallow clone checks it too: ``results/earlier/ebee2da/bench-vllm-serve/serve.md``.
 
 Derived figures (a range, a median) take an aggregate in front of KEYS: ``min:``, ``max:``,
 ``median:``, ``mean:``, ``sum:``, ``count:``, or ``count<X:`` / ``count>X:`` (how many are
@@ -51,7 +52,6 @@ import fnmatch
 import json
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -135,13 +135,8 @@ AGGREGATES = {
 
 def _load(root: Path, path: str, cache: dict):
     if path not in cache:
-        file, _, rev = path.partition("@")
-        if rev:  # an earlier run's file, as committed then: results/x.md@ebee2da
-            text = subprocess.run(["git", "show", f"{rev}:{file}"], cwd=root, check=True,
-                                  capture_output=True, text=True).stdout  # fmt: skip
-        else:
-            text = (root / path).read_text()
-        cache[path] = md_tables(text) if file.endswith((".md", ".txt")) else json.loads(text)
+        text = (root / path).read_text()
+        cache[path] = md_tables(text) if path.endswith((".md", ".txt")) else json.loads(text)
     return cache[path]
 
 
@@ -213,7 +208,7 @@ def _values(root: Path, path: str, keys: str, cache: dict) -> list[tuple[tuple, 
     if "#" in keys:  # another file: results/other.json#KEYS
         path, keys = keys.split("#", 1)
     data = _load(root, path, cache)
-    if path.partition("@")[0].endswith((".md", ".txt")):
+    if path.endswith((".md", ".txt")):
         return list(_md_values(data, keys))
     out = [(lab, _number(v, f"{path} {keys}")) for lab, v in _expand(data, keys.split("|"))]
     if not out:
@@ -300,8 +295,7 @@ def check(root: Path = ROOT) -> list[str]:
                     line = text.count("\n", 0, m.start()) + 1
                     bad.append(f"{page.relative_to(root)}:{line}: {m['num']} but {m['path']} "
                                f"{m['keys']} gives {expected}")  # fmt: skip
-        except (OSError, KeyError, IndexError, ValueError, subprocess.CalledProcessError,
-                ZeroDivisionError) as exc:
+        except (OSError, KeyError, IndexError, ValueError, ZeroDivisionError) as exc:
             bad.append(f"{page.relative_to(root)}: {type(exc).__name__}: {exc}")
     return bad
 
