@@ -6,7 +6,8 @@ the site and on GitHub)::
     the top-20 estimate recovers 91<!--fig results/fidelity-topk/fidelity.json
     topk_check|ratio .0f x100--> % of the KL
 
-``PATH`` is a JSON file under ``results/``, ``KEYS`` the ``|``-separated keys and list indices
+``PATH`` is a JSON file under ``results/`` (or a generated one such as
+``deploy/grafana/obcache.json``), ``KEYS`` the ``|``-separated keys and list indices
 down to the number (arm names may hold dots and slashes, so neither separates), ``SPEC`` a
 Python format spec for the number (``.3f``, ``,.0f``, ``+.3f``), and an optional ``xN`` scales
 it first (``x100`` for a percentage). The figure is the number written just before the comment.
@@ -204,19 +205,21 @@ def _md_values(tables: list, keys: str):
 
 
 def _values(root: Path, path: str, keys: str, cache: dict) -> list[tuple[tuple, int | float]]:
-    """Every ``(label, number)`` one side of an expression names."""
+    """Every ``(label, value)`` one side of an expression names (numbers, unless counted)."""
     if "#" in keys:  # another file: results/other.json#KEYS
         path, keys = keys.split("#", 1)
     data = _load(root, path, cache)
     if path.endswith((".md", ".txt")):
         return list(_md_values(data, keys))
-    out = [(lab, _number(v, f"{path} {keys}")) for lab, v in _expand(data, keys.split("|"))]
+    out = list(_expand(data, keys.split("|")))
     if not out:
         raise KeyError(f"{path} {keys} names no number")
     return out
 
 
 def _combine(left: list, right: list, op) -> list[tuple[tuple, float]]:
+    left = [(lab, _number(v, "a ratio's or difference's side")) for lab, v in left]
+    right = [(lab, _number(v, "a ratio's or difference's side")) for lab, v in right]
     if len(right) == 1 and not right[0][0]:
         return [(lab, op(v, right[0][1])) for lab, v in left]
     if len(left) == 1 and not left[0][0]:
@@ -246,7 +249,9 @@ def source_value(root: Path, path: str, keys: str, cache: dict) -> int | float:
                          lambda a, b: a - b)  # fmt: skip
     else:
         items = _values(root, path, keys, cache)
-    numbers = [v for _, v in items]
+    if agg == "count":  # how many items: a panel's queries, not only numbers
+        return len(items)
+    numbers = [_number(v, f"{path} {keys}") for _, v in items]
     if below:  # count<0: how many of the numbers are below 0 ("24 of 24 intervals below zero")
         bound = float(below[2])
         return sum(1 for v in numbers if (v < bound if below[1] == "<" else v > bound))

@@ -341,7 +341,7 @@ UNTRACED = {  # (page, figure): how many times it may appear without a source, a
     ("docs/deploying/load_testing.md", "0.32"): (1, "vLLM's version"),
     ("docs/deploying/monitoring.md", "0.0316"): (1, "printed by the test on the next line"),
     ("docs/deploying/monitoring.md", "2.42"): (1, "Prometheus's version"),
-    ("docs/deploying/soak.md", "0.25"): (1, "a budget the soak sends"),
+    ("docs/deploying/soak.md", "0.25"): (2, "budgets the soak sends"),
     ("docs/evidence/accuracy.md", "1.00"): (1, "printed by tova_per_head_check.py, next line"),
     ("docs/evidence/accuracy.md", "0.25"): (1, "the Wilson interval's width at n = 12"),
     ("docs/evidence/compat.md", "0.33"): (1, "vLLM's version"),
@@ -479,6 +479,7 @@ def test_figures_derive_ranges_medians_and_cross_file_ratios(tmp_path: Path) -> 
     assert value("arms|z|kl:-:results/b.json#arms|z|kl") == pytest.approx(-2.1)
     assert value("mean:rows|m=p|acc") == 0.5 and value("count:rows|*|acc") == 3
     assert value("count<0.5:rows|*|acc") == 1 and value("count>0.3:arms|*|kl") == 2
+    assert value("count:rows|*|m") == 3  # counting takes any value, not only numbers
     assert figures.source_value(tmp_path, "results/t.md", "sum:0|*|v", {}) == 19
     assert figures.source_value(tmp_path, "results/t.md", "max:0|[ab]*|v", {}) == 7
     assert value("median:arms|[xy]*|kl") == pytest.approx(0.35)
