@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import operator
 import re
 import statistics
 import sys
@@ -127,11 +128,14 @@ def _pick(labels: list[str], key: str) -> int:
 AGGREGATES = {
     "min": min,
     "max": max,
-    "median": lambda xs: statistics.median(xs),
-    "mean": lambda xs: statistics.fmean(xs),
+    "median": statistics.median,
+    "mean": statistics.fmean,
     "sum": sum,
     "count": len,
 }
+
+
+OPERATORS = {"::": operator.truediv, ":-:": operator.sub}
 
 
 def _load(root: Path, path: str, cache: dict):
@@ -157,7 +161,7 @@ def _expand(value, keys: list[str], label: tuple = ()):
     if "*" in key:  # every item, or every key or record name the pattern matches
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for k, v in items:
-            if key == "*" or _fits(str(k), key):
+            if _fits(str(k), key):
                 yield from _expand(v, rest, (*label, k))
     elif isinstance(value, list) and "=" in key:
         hits = [(i, r) for i, r in enumerate(value) if _holds(r, key)]
@@ -239,14 +243,11 @@ def source_value(root: Path, path: str, keys: str, cache: dict) -> int | float:
         keys = rest
     else:
         agg = None
-    if "::" in keys:
-        top, bottom = keys.split("::")
+    op = next((o for o in OPERATORS if o in keys), None)
+    if op:  # a ratio or a difference, item for item
+        top, bottom = keys.split(op)
         items = _combine(_values(root, path, top, cache), _values(root, path, bottom, cache),
-                         lambda a, b: a / b)  # fmt: skip
-    elif ":-:" in keys:
-        top, bottom = keys.split(":-:")
-        items = _combine(_values(root, path, top, cache), _values(root, path, bottom, cache),
-                         lambda a, b: a - b)  # fmt: skip
+                         OPERATORS[op])  # fmt: skip
     else:
         items = _values(root, path, keys, cache)
     if agg == "count":  # how many items: a panel's queries, not only numbers
