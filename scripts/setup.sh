@@ -13,8 +13,8 @@
 #   5. under CI=true, fail with the name of every command the suite needs and cannot find
 #      (kubectl, promtool, prometheus, bible): a skipped capability test would fail the run,
 #   6. provision the default model (`obcache-vllm model pull`),
-#   7. under CI=true, record how long each step took in results/ci/setup.json (the installation
-#      page quotes a fresh clone's setup time from it).
+#   7. under CI=true, record how long each step took in .ci/last-run/setup.json (ignored by git;
+#      the installation page quotes the published copy, results/ci/setup.json).
 # Idempotent: steps 2-3 are skipped while .venv/.obcache-setup-stamp matches the hash of
 # pyproject.toml, this script, the extras and the checkout path; step 5 is instant once the model cache is valid.
 #
@@ -114,8 +114,8 @@ say "provisioning the default model"
 model_s=$((SECONDS - model_started))
 say "done in $((SECONDS - started)) s: model at $("$VENV/bin/obcache-vllm" model path)"
 if [[ "${CI:-}" == true ]]; then
-    mkdir -p results/ci
+    mkdir -p .ci/last-run
     printf '{"date": "%s", "commit": "%s", "seconds": %d, "venv_installed": %s, "install_seconds": %d, "packages_seconds": %d, "model_seconds": %d}\n' \
         "$(date -u '+%Y-%m-%d %H:%M UTC')" "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-        "$((SECONDS - started))" "$installed" "$install_s" "$packages_s" "$model_s" >results/ci/setup.json
+        "$((SECONDS - started))" "$installed" "$install_s" "$packages_s" "$model_s" >.ci/last-run/setup.json
 fi
