@@ -13,7 +13,7 @@
 #   5. under CI=true, fail with the name of every command the suite needs and cannot find
 #      (kubectl, promtool, prometheus, bible): a skipped capability test would fail the run,
 #   6. provision the default model (`obcache-vllm model pull`),
-#   7. under CI=true, record how long each step took in .ci/last-run/setup.json (ignored by git;
+#   7. under CI=true, record how long each step took in setup.json in .ci/last-run/ (ignored;
 #      the installation page quotes the published copy, results/ci/setup.json).
 # Idempotent: steps 2-3 are skipped while .venv/.obcache-setup-stamp matches the hash of
 # pyproject.toml, this script, the extras and the checkout path; step 5 is instant once the model cache is valid.
@@ -114,8 +114,9 @@ say "provisioning the default model"
 model_s=$((SECONDS - model_started))
 say "done in $((SECONDS - started)) s: model at $("$VENV/bin/obcache-vllm" model path)"
 if [[ "${CI:-}" == true ]]; then
-    mkdir -p .ci/last-run
+    records=.ci/last-run
+    mkdir -p "$records"
     printf '{"date": "%s", "commit": "%s", "seconds": %d, "venv_installed": %s, "install_seconds": %d, "packages_seconds": %d, "model_seconds": %d}\n' \
         "$(date -u '+%Y-%m-%d %H:%M UTC')" "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-        "$((SECONDS - started))" "$installed" "$install_s" "$packages_s" "$model_s" >.ci/last-run/setup.json
+        "$((SECONDS - started))" "$installed" "$install_s" "$packages_s" "$model_s" >"$records/setup.json"
 fi

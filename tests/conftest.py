@@ -184,7 +184,7 @@ def _ci() -> bool:
 # --- the run's own record of itself ---------------------------------------------------------
 # The testing and installation pages quote how many tests the suite has and how long a fresh
 # clone takes; those figures come from this record, never from a hand-copied log line. A run
-# under CI=true writes it to .ci/last-run/suite.json (ignored by git: a run must not change the
+# under CI=true writes suite.json into .ci/last-run/ (ignored by git: a run must not change the
 # committed results/ci/suite.json the docs test reads); publishing a run is copying it there.
 SUITE_RECORD = Path(__file__).resolve().parents[1] / ".ci" / "last-run" / "suite.json"
 _started = time.time()
