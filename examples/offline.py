@@ -11,7 +11,9 @@ The plugin is active in any vLLM process once obcache-vllm is installed; the opt
 * ``VLLM_USE_V2_MODEL_RUNNER=0``: the model runner this project hooks (``obcache-vllm serve``
   sets it too);
 * ``block_size``: eviction frees whole blocks, so a compressed prompt keeps K tokens with
-  ``budget <= K < budget + block_size``. vLLM's CPU default is 128; the server uses 32.
+  ``budget <= K < budget + block_size``. vLLM's CPU default is 128; the server uses 32;
+* ``enforce_eager=True``: no torch.compile, as ``obcache-vllm serve``. vLLM's default compiles
+  the model first, which took about four and a half minutes of start-up on a 2-core machine.
 
 The ``if __name__ == "__main__":`` guard is needed: vLLM starts processes that re-import this
 file.
@@ -39,7 +41,7 @@ def main() -> None:
     from obcache_vllm.textgen import haystack
 
     path = args.model or str(model.pull(log=lambda message: None))
-    llm = LLM(model=path, block_size=32, max_model_len=4096)
+    llm = LLM(model=path, block_size=32, max_model_len=4096, enforce_eager=True)
     budget = int(args.budget) if args.budget >= 1 else args.budget
     prompt = haystack(20, seed=0) + "\nQuestion: which town is named first? Answer:"
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens,

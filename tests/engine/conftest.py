@@ -10,7 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.engine import ENGINE_KWARGS, POOL_BLOCKS, Driver, Internals, KvEventLog
+from support.engine import (
+    ENGINE_KWARGS,
+    POOL_BLOCKS,
+    Driver,
+    Internals,
+    KvEventLog,
+    close_stock,
+    start_stock,
+)
 
 # Before any engine exists in this process (vLLM caches its env once an engine is up).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -20,9 +28,11 @@ os.environ.setdefault("OBCACHE_VLLM_FAULTS", "1")
 # The KV oracle (obcache_vllm/eviction/oracle.py) checks every reuse of KV in every engine test
 # (see the autouse fixture `kv_oracle` below).
 os.environ.setdefault("OBCACHE_VLLM_VERIFY", "1")
-# One core per engine. On this 2-core machine an engine bound to both cores slows to ~1.4 s per
-# decode token as soon as another process runs (every OpenMP barrier waits for a descheduled
-# thread), against ~0.08 s on one core. The stock reference subprocess binds the other core.
+# Core 0 for the engines this session starts in other processes (vLLM binds its multiprocessing
+# workers: servers, the offline example), core 1 for the references beside them. The session
+# engine below runs in this process, where vLLM ignores the variable (see
+# obcache_vllm/cpu_binding.py): it keeps torch's thread per core, measured 1.5x faster than
+# one thread here while it runs alone; its stock reference runs only while it waits.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 
 
@@ -45,6 +55,8 @@ def llm(engine_kwargs: dict) -> Iterator[object]:
     from loadtest.launch import free_port
     from obcache_vllm.evidence.fidelity import FIDELITY_FQCN
 
+    start_stock(engine_kwargs)  # the stock reference loads on the other core meanwhile
+
     # KV events on, as a KV-aware router consumes them (test_prefix_cache.py reads them).
     events = KVEventsConfig(
         enable_kv_cache_events=True,
@@ -57,6 +69,7 @@ def llm(engine_kwargs: dict) -> Iterator[object]:
     engine.obcache_kv_events = log
     yield engine
     log.close()
+    close_stock()
     core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()

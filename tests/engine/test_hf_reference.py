@@ -18,8 +18,8 @@ Prompts: the package's seeded needle haystacks (no data files), 600-800 tokens, 
 question tokenized separately and concatenated (so ``kv_compress_at`` = the context's length is
 exact on both sides). All requests of all combos go in one ``generate`` call; the engine's
 256-token step budget makes every prompt a chunked prefill, several requests share steps, and
-the small pool queues some of them. The HF side runs meanwhile in a subprocess on the other core;
-it takes the ``kv_prefill_evict`` combo last, once vLLM's chunk ends are known.
+the small pool queues some of them. The HF side runs afterwards (it replays vLLM's prefill chunk
+ends for ``kv_prefill_evict``), in two processes, one per core, that share its units of work.
 """
 
 from __future__ import annotations
@@ -198,87 +198,85 @@ def _run_vllm(engine, prompts, contexts) -> dict[str, list[Run]]:
     return out
 
 
-def hf_runs(
-    model_path: str, prompts: list[list[int]], contexts: list[int], chunk_ends=None
-) -> dict[str, list[Run]]:
-    """Each prompt (and each compressed context) is prefilled once, all queries kept; then
-    every one-eviction combo evicts and decodes. The step-by-step combos run
-    :func:`run_evicting`, the ``kv_prefill_evict`` one last: ``chunk_ends()`` returns vLLM's
-    prefill eviction lengths per combo and prompt once they are known."""
+def hf_units(prompts: list[list[int]]) -> list[tuple[str, int]]:
+    """The reference's work, in units two processes share: each step-by-step (combo, prompt)
+    first (the longest), then each prompt's one-eviction combos (``("", i)``: the prompt, or
+    its context, is prefilled once for all of them)."""
+    steps = [(name, i) for name, combo in COMBOS.items() if combo.steps
+             for i in range(combo.prompts)]  # fmt: skip
+    ones = [("", i) for i in range(len(prompts))
+            if any(not c.steps and i < c.prompts for c in COMBOS.values())]  # fmt: skip
+    return steps + ones
+
+
+def hf_unit(model, unit, prompts, contexts, chunk_ends) -> dict[tuple[str, int], Run]:
+    """One unit of :func:`hf_units`: prefill with all queries kept, evict as vLLM's block
+    rule says, decode greedily (:mod:`obcache_vllm.evidence.hf_reference`); ``kv_prefill_evict``
+    at vLLM's own prefill chunk ends (``chunk_ends[combo][prompt]``)."""
     from obcache_vllm.evidence import hf_reference as ref
 
-    model, _ = ref.load_model(model_path, dtype=torch.float32)
-    runs: dict[str, list[Run]] = {name: [] for name in COMBOS}
-    for i, (ids, ctx) in enumerate(zip(prompts, contexts, strict=True)):
-        ids_t = torch.tensor(ids)
-        states: dict[int, object] = {}
-        for name, combo in COMBOS.items():
-            if i >= combo.prompts or combo.steps:
-                continue
-            options = parse_kv_options(combo.extra(ctx), len(ids))  # as vLLM does
-            point = options.compress_point(len(ids))
-            if point not in states:
-                states[point] = ref.prefill(model, ids_t[:point], query_window=-1)
-            _, kept = ref.select_kept(states[point], options, BLOCK_SIZE)
-            tokens, _ = ref.generate(model, states[point], kept, combo.new_tokens,
-                                     rest=ids_t[point:])  # fmt: skip
-            runs[name].append(Run(kept=kept, tokens=tokens, orders=[(point, True)]))
-    ends = None
-    for name, combo in sorted(COMBOS.items(), key=lambda item: item[1].needs_chunk_ends):
-        if not combo.steps:
+    name, i = unit
+    ids, ctx = prompts[i], contexts[i]
+    ids_t = torch.tensor(ids)
+    if name:
+        combo = COMBOS[name]
+        options = parse_kv_options(combo.extra(ctx), len(ids))
+        result = ref.run_evicting(
+            model, ids_t, options, BLOCK_SIZE, combo.new_tokens,
+            prefill_ends=chunk_ends[name][i] if combo.needs_chunk_ends else (),
+        )  # fmt: skip
+        return {unit: Run(kept=result.kept, tokens=result.token_ids, orders=result.orders)}
+    runs, states = {}, {}
+    for other, combo in COMBOS.items():
+        if i >= combo.prompts or combo.steps:
             continue
-        if combo.needs_chunk_ends and ends is None:
-            ends = chunk_ends()
-        for i, (ids, ctx) in enumerate(zip(prompts[: combo.prompts], contexts, strict=False)):
-            options = parse_kv_options(combo.extra(ctx), len(ids))
-            result = ref.run_evicting(
-                model, torch.tensor(ids), options, BLOCK_SIZE, combo.new_tokens,
-                prefill_ends=ends[name][i] if combo.needs_chunk_ends else (),
-            )  # fmt: skip
-            runs[name].append(Run(kept=result.kept, tokens=result.token_ids,
-                                  orders=result.orders))  # fmt: skip
+        options = parse_kv_options(combo.extra(ctx), len(ids))  # as vLLM does
+        point = options.compress_point(len(ids))
+        if point not in states:
+            states[point] = ref.prefill(model, ids_t[:point], query_window=-1)
+        _, kept = ref.select_kept(states[point], options, BLOCK_SIZE)
+        tokens, _ = ref.generate(model, states[point], kept, combo.new_tokens,
+                                 rest=ids_t[point:])  # fmt: skip
+        runs[(other, i)] = Run(kept=kept, tokens=tokens, orders=[(point, True)])
     return runs
 
 
-def _start_hf(tmp: Path, model_path, prompts, contexts) -> subprocess.Popen:
-    """``hf_runs`` in a fresh process, one torch thread, no vLLM import, on the core the engine
-    does not use (it runs while the engine works).
+def _start_hf(tmp: Path, model_path, prompts, contexts, chunk_ends) -> list[subprocess.Popen]:
+    """The reference in two fresh processes, one per core and one torch thread each, sharing
+    :func:`hf_units` (each claims the next unit not taken); no vLLM import.
 
-    This process hosts the in-process engine: its CPU worker binds torch's OpenMP threads to
-    the engine's cores and disables ``torch.set_num_threads``, so the reference would inherit
-    vLLM's thread setup (and with 2 threads on 2 busy cores small ops spin-wait, ~10x slower).
+    They start once the engine has run: the engine, in this process, keeps a torch thread on
+    each core, and a process beside it would make both wait on each other's cores. Nor may
+    they inherit this process's thread setup (vLLM's CPU worker replaces
+    ``torch.set_num_threads`` here).
     """
     spec = tmp / "in.json"
-    spec.write_text(
-        json.dumps({"model": str(model_path), "prompts": prompts, "contexts": contexts})
-    )
+    spec.write_text(json.dumps({"model": str(model_path), "prompts": prompts,
+                                "contexts": contexts, "chunk_ends": chunk_ends}))  # fmt: skip
     tests = str(Path(__file__).resolve().parents[1])  # support/ for the script's imports
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    return subprocess.Popen(
-        [sys.executable, __file__, str(spec), str(tmp / "out.pt"), str(tmp / "ends.json")],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    cores = sorted(os.sched_getaffinity(0))
+    return [
+        subprocess.Popen(
+            [sys.executable, __file__, str(spec), str(tmp), str(core)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for core in (cores[0], cores[-1])
+    ]
 
 
-def _finish_hf(proc: subprocess.Popen, tmp: Path, vllm: dict[str, list[Run]]):
-    """Hand vLLM's prefill eviction lengths to the reference, then wait for its runs."""
-    ends = {
-        name: [[length for length, prefill in run.orders if prefill] for run in vllm[name]]
-        for name, combo in COMBOS.items()
-        if combo.needs_chunk_ends
-    }
-    partial = tmp / "ends.json.part"
-    partial.write_text(json.dumps(ends))
-    partial.rename(tmp / "ends.json")  # appears whole
-    _, stderr = proc.communicate(timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"HF reference run failed:\n{stderr[-4000:]}")
-    raw = torch.load(tmp / "out.pt")
-    return {combo: [Run(*run) for run in runs] for combo, runs in raw.items()}
+def _finish_hf(procs: list[subprocess.Popen], tmp: Path) -> dict[str, list[Run]]:
+    """Wait for the reference processes; their units' runs, combo by combo in prompt order."""
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"HF reference run failed:\n{stderr[-4000:]}")
+    done: dict[tuple[str, int], Run] = {}
+    for part in tmp.glob("unit-*.pt"):
+        done.update({key: Run(*run) for key, run in torch.load(part).items()})
+    return {name: [done[(name, i)] for i in range(combo.prompts)]
+            for name, combo in COMBOS.items()}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -294,15 +292,21 @@ class Comparison:
 def comparison(engine, model_path, tokenizer) -> Comparison:
     prompts, contexts = long_prompts(tokenizer)
     start = time.perf_counter()
+    vllm_runs = _run_vllm(engine, prompts, contexts)
+    mid = time.perf_counter()
+    chunk_ends = {  # vLLM's prefill eviction lengths, which the reference replays
+        name: [[length for length, prefill in run.orders if prefill] for run in vllm_runs[name]]
+        for name, combo in COMBOS.items()
+        if combo.needs_chunk_ends
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        proc = _start_hf(Path(tmp), model_path, prompts, contexts)
+        procs = _start_hf(Path(tmp), model_path, prompts, contexts, chunk_ends)
         try:
-            vllm_runs = _run_vllm(engine, prompts, contexts)
-            mid = time.perf_counter()
-            hf = _finish_hf(proc, Path(tmp), vllm_runs)
+            hf = _finish_hf(procs, Path(tmp))
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
     end = time.perf_counter()
     seconds = {"vllm": round(mid - start, 1), "hf_after_vllm": round(end - mid, 1)}
     lengths = [len(p) for p in prompts]
@@ -419,25 +423,20 @@ def render_report(data: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _other_cores() -> set[int]:
-    """The cores the in-process engine is not bound to (all of them if it uses every core)."""
-    every = set(range(os.cpu_count() or 1))
-    bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    engine = {int(c) for c in bound.replace(",", " ").split() if c.isdigit()}
-    return (every - engine) or every
-
-
-if __name__ == "__main__":  # the HF side, run by _start_hf: python THIS in.json out.pt
-    os.sched_setaffinity(0, _other_cores())  # not the parent engine's core binding
+if __name__ == "__main__":  # the HF side, run by _start_hf: python THIS in.json DIR CORE
+    os.sched_setaffinity(0, {int(sys.argv[3])})
     torch.set_num_threads(1)
     spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    from obcache_vllm.evidence import hf_reference as ref
 
-    def chunk_ends():
-        ends = Path(sys.argv[3])
-        while not ends.exists():  # written by the parent once its engine has run
-            time.sleep(0.5)
-        return json.loads(ends.read_text())
-
-    result = hf_runs(spec["model"], spec["prompts"], spec["contexts"], chunk_ends)
-    raw = {combo: [(r.kept, r.tokens, r.orders) for r in runs] for combo, runs in result.items()}
-    torch.save(raw, sys.argv[2])
+    model, _ = ref.load_model(spec["model"], dtype=torch.float32)
+    for k, unit in enumerate(hf_units(spec["prompts"])):
+        try:  # claim the unit: the first process to create its file takes it
+            os.close(os.open(out / f"claim-{k}", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue
+        runs = hf_unit(model, tuple(unit), spec["prompts"], spec["contexts"], spec["chunk_ends"])
+        raw = {key: (r.kept, r.tokens, r.orders) for key, r in runs.items()}
+        torch.save(raw, out / f"unit-{k}.pt.part")
+        (out / f"unit-{k}.pt.part").rename(out / f"unit-{k}.pt")

@@ -134,8 +134,75 @@ class Driver:
         raise AssertionError("engine did not finish")
 
 
+class StockReference:
+    """Stock vLLM (plugin disabled) in a subprocess that stays up between calls.
+
+    A fresh engine per reference cost an engine start-up (half a minute or more on 2 cores)
+    each time, on the core the plugin engine waits on. This one starts once per engine
+    setting (``stock_runner.py``, see there), on the core the plugin engine does not
+    use, and empties its prefix cache before each call, so a call sees what a fresh engine
+    would: the same settings, topology, batch composition and numerics.
+    """
+
+    MARK = "@@stock@@"
+
+    def __init__(self, engine_kwargs: dict) -> None:
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="stock-ref-", suffix=".log")
+        # Same in-process topology as the plugin engine: same threads (torch's default, a
+        # thread per core: it runs while the plugin engine waits), same numerics.
+        env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PROBES / "stock_runner.py"), json.dumps(engine_kwargs)],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+        )  # fmt: skip
+
+    def run(self, batches: list[list[dict]]) -> list[list[list[int]]]:
+        """Token ids for ``batches`` (each one ``LLM.generate`` call, in order)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(batches) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line.startswith(self.MARK):
+            self.close()
+            self._log.seek(0)
+            raise RuntimeError(f"stock vLLM run failed:\n{self._log.read()[-4000:]}")
+        return json.loads(line[len(self.MARK):])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the runner exits at end of input
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+_stock: dict[str, StockReference] = {}
+
+
+def start_stock(engine_kwargs: dict) -> StockReference:
+    """The stock reference for these settings, started now if it is not up (it loads while
+    the caller goes on: the session engine starts it beside its own start-up)."""
+    key = json.dumps(engine_kwargs, sort_keys=True)
+    ref = _stock.get(key)
+    if ref is None or ref.proc.poll() is not None:
+        ref = _stock[key] = StockReference(engine_kwargs)
+    return ref
+
+
+def close_stock() -> None:
+    for ref in _stock.values():
+        ref.close()
+    _stock.clear()
+
+
 def run_stock(engine_kwargs: dict, batches: list[list[dict]]) -> list[list[list[int]]]:
-    """Token ids from stock vLLM (plugin disabled) for the given batches (see stock_runner.py).
+    """Token ids from stock vLLM (plugin disabled) for the given batches (see
+    :class:`StockReference`).
 
     Results are cached in ``.cache/stock-refs`` (git-ignored) keyed on the request spec and the
     installed vLLM version, so repeated local runs skip the reference engine; CI, on a fresh
@@ -153,24 +220,7 @@ def run_stock(engine_kwargs: dict, batches: list[list[dict]]) -> list[list[list[
     cache = Path(__file__).resolve().parents[2] / ".cache" / "stock-refs" / f"{key}.json"
     if cache.exists():
         return json.loads(cache.read_text())
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "in.json"
-        out = Path(tmp) / "out.json"
-        spec.write_text(spec_text)
-        # Same in-process topology as the plugin engine: same threads, same numerics.
-        env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        if threads == "0":  # one core each: the plugin engine is bound to core 0
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "1"
-        proc = subprocess.run(
-            [sys.executable, str(PROBES / "stock_runner.py"), str(spec), str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"stock vLLM run failed:\n{proc.stderr[-4000:]}")
-        result = json.loads(out.read_text())
+    result = start_stock(engine_kwargs).run(batches)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(result))
     return result

@@ -1,10 +1,13 @@
-"""Run requests on STOCK vLLM (obcache plugin disabled) and write the generated token ids.
+"""Stock vLLM (obcache plugin disabled) in this process, answering batches of requests.
 
-Usage: ``python stock_runner.py IN.json OUT.json`` with ``VLLM_PLUGINS=`` (empty) in the
-environment. IN.json: ``{"engine": {...LLM kwargs...}, "batches": [[{"prompt_token_ids": [...],
-"max_tokens": n, "extra_args": {...}}, ...], ...]}`` (optional per request: ``temperature``
-(default 0), ``seed``, ``ignore_eos``); each batch is one ``LLM.generate`` call,
-so batch composition matches the plugin-side run. OUT.json: the token ids, batch by batch.
+Usage: ``python stock_runner.py ENGINE_KWARGS_JSON`` with ``VLLM_PLUGINS=`` (empty) in the
+environment; the tests' :class:`support.engine.StockReference` starts it once per engine
+setting. Each line on stdin is a JSON list of batches, ``[[{"prompt_token_ids": [...],
+"max_tokens": n}, ...], ...]`` (a request may also carry ``temperature`` (default 0), ``seed``,
+``ignore_eos`` and ``extra_args``); each batch is one ``LLM.generate`` call, so batch
+composition matches the plugin-side run. The answer is one stdout line, ``@@stock@@`` and the
+token ids, batch by batch, as JSON. The prefix cache is emptied before each line, so each answer
+is what a fresh engine gives. vLLM's own output goes to stderr. End of input: exit.
 """
 
 from __future__ import annotations
@@ -13,16 +16,14 @@ import json
 import os
 import sys
 
+MARK = "@@stock@@"
 
-def main() -> None:
-    if os.environ.get("VLLM_PLUGINS", None) != "":
-        raise SystemExit("stock_runner must run with VLLM_PLUGINS= (empty): stock vLLM")
-    from vllm import LLM, SamplingParams
 
-    spec = json.loads(open(sys.argv[1]).read())
-    llm = LLM(**spec["engine"])
+def run_batches(llm, batches: list[list[dict]]) -> list[list[list[int]]]:
+    from vllm import SamplingParams
+
     results = []
-    for batch in spec["batches"]:
+    for batch in batches:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
         params = [
             SamplingParams(
@@ -36,8 +37,24 @@ def main() -> None:
         ]
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([list(o.outputs[0].token_ids) for o in outs])
-    with open(sys.argv[2], "w") as f:
-        json.dump(results, f)
+    return results
+
+
+def main() -> None:
+    if os.environ.get("VLLM_PLUGINS", None) != "":
+        raise SystemExit("stock_runner must run with VLLM_PLUGINS= (empty): stock vLLM")
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # vLLM's logging and prints go to stderr, the protocol keeps stdout
+    from vllm import LLM
+
+    llm = LLM(**json.loads(sys.argv[1]))
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        if not llm.reset_prefix_cache():
+            raise SystemExit("stock_runner: the prefix cache could not be reset")
+        answers.write(MARK + json.dumps(run_batches(llm, json.loads(line))) + "\n")
+        answers.flush()
 
 
 if __name__ == "__main__":
