@@ -18,9 +18,16 @@ MARK = "BENCH_RESULT "
 
 
 def engine(model: str, pool_blocks: int | None, max_len: int, **extra):
-    """A vLLM engine with the project's CPU settings (fp32, eager, 32-token blocks, seed 0)."""
+    """A vLLM engine with the project's CPU settings (fp32, eager, 32-token blocks, seed 0).
+
+    The children build it in their own process, where vLLM ignores
+    ``VLLM_CPU_OMP_THREADS_BIND``: it is applied here (one torch thread per listed core)."""
     from vllm import LLM
 
+    from obcache_vllm.cpu_binding import bind_in_process
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        bind_in_process()
     kw = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=max_len,
               block_size=BLOCK, seed=0, **extra)
     if pool_blocks:

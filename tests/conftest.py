@@ -98,23 +98,76 @@ def model_path() -> Path:
         pytest.fail(f"model provisioning failed: {exc}")
 
 
+# Servers other than the session's, started beside it when the collected tests use them (each
+# start is about a minute of mostly single-threaded imports and loading; two side by side take
+# little longer than one): fixture name -> (directory, extra arguments, environment overrides).
+# A fixture takes its server with `early_server(name)`.
+_SUPPORT = Path(__file__).resolve().parent / "support"
+EARLY_SERVERS: dict[str, tuple[str, tuple[str, ...], dict[str, str | None]]] = {
+    "stock_server": ("stock-server", (), {"VLLM_PLUGINS": ""}),  # the plugin disabled
+    # The user's own scheduler class, not a subclass of ours (tests/support/plain_scheduler.py).
+    "plain_scheduler_server": (
+        "plain-scheduler", ("--scheduler-cls", "plain_scheduler.PlainScheduler"),
+        {"PYTHONPATH": os.pathsep.join(p for p in (str(_SUPPORT), os.environ.get("PYTHONPATH"))
+                                       if p)},
+    ),
+}  # fmt: skip
+_used_fixtures: set[str] = set()
+_early: dict = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:  # what runs, after -m and -k deselected the rest
+        _used_fixtures.update(getattr(item, "fixturenames", ()))
+
+
+def _launch(name: str, tmp_path_factory: pytest.TempPathFactory):
+    from support.server import TEST_SERVER_ARGS, Launch
+
+    directory, extra, env = EARLY_SERVERS[name]
+    return Launch(tmp_path_factory.mktemp(directory), (*TEST_SERVER_ARGS, *extra), env)
+
+
 @pytest.fixture(scope="session")
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The session's `obcache-vllm serve` (plugin active), small test settings."""
-    from support.server import running_server
+    """The session's `obcache-vllm serve` (plugin active), small test settings; the other
+    servers the collected tests use start beside it."""
+    from support.server import Launch
 
-    with running_server(tmp_path_factory.mktemp("server")) as srv:
-        yield srv
+    for name in EARLY_SERVERS:
+        if name in _used_fixtures and name not in _early:
+            _early[name] = _launch(name, tmp_path_factory)
+    launch = Launch(tmp_path_factory.mktemp("server"))
+    try:
+        yield launch.ready()
+    finally:
+        launch.stop()
+        for unclaimed in _early.values():
+            unclaimed.stop()
+        _early.clear()
 
 
 @pytest.fixture(scope="session")
-def stock_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The same server with the plugin disabled (`VLLM_PLUGINS=`): stock vLLM."""
-    from support.server import running_server
+def early_server(tmp_path_factory: pytest.TempPathFactory):
+    """``with early_server(name) as srv``: the server ``EARLY_SERVERS[name]`` describes, the
+    one started beside the session's server if it was, else started now; stopped on exit."""
+    from contextlib import contextmanager
 
-    with running_server(
-        tmp_path_factory.mktemp("stock-server"), env_overrides={"VLLM_PLUGINS": ""}
-    ) as srv:
+    @contextmanager
+    def take(name: str):
+        launch = _early.pop(name, None) or _launch(name, tmp_path_factory)
+        try:
+            yield launch.ready()
+        finally:
+            launch.stop()
+
+    return take
+
+
+@pytest.fixture(scope="session")
+def stock_server(model_path: Path, early_server):
+    """The same server with the plugin disabled (`VLLM_PLUGINS=`): stock vLLM."""
+    with early_server("stock_server") as srv:
         yield srv
 
 

@@ -115,3 +115,10 @@ def driver(engine) -> Driver:
     assert not engine.llm.llm_engine.has_unfinished_requests()
     assert engine.free_blocks() == POOL_BLOCKS - 1  # block 0 is vLLM's null block
     return Driver(engine)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last engine test, the stock references go (they hold a KV pool each, and the
+    server tests start servers of their own)."""
+    if nextitem is None or Path(item.path).parent != Path(nextitem.path).parent:
+        close_stock()

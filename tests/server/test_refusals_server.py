@@ -7,16 +7,12 @@ server stay stock. And the server patches live in the API-server process only.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from pathlib import Path
 
 import pytest
-from support.server import MODEL_NAME, TEST_SERVER_ARGS, Server, healthy, running_server
+from support.server import MODEL_NAME, Server, healthy
 
 from obcache_vllm import metrics as M
-
-HERE = Path(__file__).resolve().parents[1] / "support"  # plain_scheduler.py
 
 
 def test_server_patches_load_in_the_api_server_process_only(server: Server) -> None:
@@ -28,13 +24,9 @@ def test_server_patches_load_in_the_api_server_process_only(server: Server) -> N
 
 
 @pytest.fixture(scope="module")
-def plain_scheduler_server(model_path, tmp_path_factory):
+def plain_scheduler_server(early_server):
     """A server whose EngineCore runs the user's own scheduler (not a subclass of ours)."""
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    args = (*TEST_SERVER_ARGS, "--scheduler-cls", "plain_scheduler.PlainScheduler")
-    with running_server(
-        tmp_path_factory.mktemp("plain-scheduler"), args=args, env_overrides={"PYTHONPATH": path}
-    ) as srv:
+    with early_server("plain_scheduler_server") as srv:
         yield srv
 
 

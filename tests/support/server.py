@@ -88,47 +88,71 @@ def production_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
+class Launch:
+    """`obcache-vllm serve --port P ARGS`, started now; :meth:`ready` waits until it is
+    healthy. Two launches start side by side (the session's plugin and stock servers): each
+    start is mostly single-threaded imports and loading, so two take little longer than one.
+    ``env_overrides``: variables to set (``None``: unset)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        args: Sequence[str] = TEST_SERVER_ARGS,
+        env_overrides: Mapping[str, str | None] | None = None,
+    ) -> None:
+        port = free_port()
+        env = production_env()
+        env[TRACE_ENV] = str(workdir / "trace.txt")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # Test servers honour vllm_xargs {"obcache_fault": ...} (obcache_vllm/eviction/faults.py).
+        env.setdefault("OBCACHE_VLLM_FAULTS", "1")
+        # The KV oracle checks every reuse of KV between requests; a mismatch is a counted fault
+        # (stage="verify"), which the tests that share state read back from the metrics.
+        env.setdefault("OBCACHE_VLLM_VERIFY", "1")
+        for key, value in (env_overrides or {}).items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        script = Path(sys.executable).parent / "obcache-vllm"
+        self.cmd = [str(script), "serve", "--port", str(port), *args]
+        log_path = workdir / "server.log"
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.started = time.monotonic()
+        self.server = Server(
+            f"http://127.0.0.1:{port}", self.proc.pid, Path(env[TRACE_ENV]), log_path
+        )
+
+    def ready(self) -> Server:
+        """The server once healthy; fails the test if it exits or is not up in time."""
+        import pytest
+
+        server = self.server
+        while not healthy(server.url):
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited ({self.proc.returncode}):\n{server.log_tail()}")
+            if time.monotonic() - self.started > START_TIMEOUT_S:
+                pytest.fail(f"server not up in {START_TIMEOUT_S} s:\n{server.log_tail()}")
+            time.sleep(1)
+        print(f"server {self.cmd} up in {time.monotonic() - self.started:.0f} s", file=sys.stderr)
+        return server
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
 @contextmanager
 def running_server(
     workdir: Path,
     args: Sequence[str] = TEST_SERVER_ARGS,
     env_overrides: Mapping[str, str | None] | None = None,
 ) -> Iterator[Server]:
-    """`obcache-vllm serve --port P ARGS` until the block exits; fails the test if it never
-    becomes healthy. ``env_overrides``: variables to set (``None``: unset)."""
-    import pytest
-
-    port = free_port()
-    env = production_env()
-    env[TRACE_ENV] = str(workdir / "trace.txt")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # Test servers honour vllm_xargs {"obcache_fault": ...} (obcache_vllm/eviction/faults.py).
-    env.setdefault("OBCACHE_VLLM_FAULTS", "1")
-    # The KV oracle checks every reuse of KV between requests; a mismatch is a counted fault
-    # (stage="verify"), which the tests that share state read back from the metrics.
-    env.setdefault("OBCACHE_VLLM_VERIFY", "1")
-    for key, value in (env_overrides or {}).items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    script = Path(sys.executable).parent / "obcache-vllm"
-    cmd = [str(script), "serve", "--port", str(port), *args]
-    log_path = workdir / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        server = Server(f"http://127.0.0.1:{port}", proc.pid, Path(env[TRACE_ENV]), log_path)
-        try:
-            started = time.monotonic()
-            while not healthy(server.url):
-                if proc.poll() is not None:
-                    pytest.fail(f"server exited ({proc.returncode}):\n{server.log_tail()}")
-                if time.monotonic() - started > START_TIMEOUT_S:
-                    pytest.fail(f"server not up in {START_TIMEOUT_S} s:\n{server.log_tail()}")
-                time.sleep(1)
-            print(f"server {cmd} up in {time.monotonic() - started:.0f} s", file=sys.stderr)
-            yield server
-        finally:
-            stop(proc)
+    """A :class:`Launch` until the block exits, healthy when the block starts."""
+    launch = Launch(workdir, args, env_overrides)
+    try:
+        yield launch.ready()
+    finally:
+        launch.stop()
