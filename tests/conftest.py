@@ -33,6 +33,10 @@ import pytest
 ENGINE_ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB for the KV pool of each test engine
     "VLLM_USE_V2_MODEL_RUNNER": "0",
+    # Core 0 for the engines started in other processes (vLLM binds the workers it spawns:
+    # servers, the offline example), the other core for the references and clients beside
+    # them. The in-process engine ignores it (see tests/engine/conftest.py).
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
 }
 
 _trace_dir: str | None = None
@@ -102,14 +106,18 @@ def model_path() -> Path:
 # start is about a minute of mostly single-threaded imports and loading; two side by side take
 # little longer than one): fixture name -> (directory, extra arguments, environment overrides).
 # A fixture takes its server with `early_server(name)`.
+# They run on the last core (the session's server is bound to the first, see
+# tests/engine/conftest.py), so a test that compares two servers keeps both busy at once; a
+# thread each either way, the same numerics.
 _SUPPORT = Path(__file__).resolve().parent / "support"
+_LAST_CORE = {"VLLM_CPU_OMP_THREADS_BIND": str(max(os.sched_getaffinity(0)))}
 EARLY_SERVERS: dict[str, tuple[str, tuple[str, ...], dict[str, str | None]]] = {
-    "stock_server": ("stock-server", (), {"VLLM_PLUGINS": ""}),  # the plugin disabled
+    "stock_server": ("stock-server", (), {"VLLM_PLUGINS": "", **_LAST_CORE}),  # no plugin
     # The user's own scheduler class, not a subclass of ours (tests/support/plain_scheduler.py).
     "plain_scheduler_server": (
         "plain-scheduler", ("--scheduler-cls", "plain_scheduler.PlainScheduler"),
         {"PYTHONPATH": os.pathsep.join(p for p in (str(_SUPPORT), os.environ.get("PYTHONPATH"))
-                                       if p)},
+                                       if p), **_LAST_CORE},
     ),
 }  # fmt: skip
 _used_fixtures: set[str] = set()
