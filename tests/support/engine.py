@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -139,9 +141,10 @@ class StockReference:
 
     A fresh engine per reference cost an engine start-up (half a minute or more on 2 cores)
     each time, on the core the plugin engine waits on. This one starts once per engine
-    setting (``stock_runner.py``, see there), on the core the plugin engine does not
-    use, and empties its prefix cache before each call, so a call sees what a fresh engine
-    would: the same settings, topology, batch composition and numerics.
+    setting (``stock_runner.py``, see there) and loads while the plugin engine starts; it
+    stops itself between calls (SIGSTOP; an idle engine's wake-ups stall the plugin engine's
+    OpenMP barriers) and empties its prefix cache before each, so a call sees what a fresh
+    engine would: the same settings, topology, batch composition and numerics.
     """
 
     MARK = "@@stock@@"
@@ -156,14 +159,26 @@ class StockReference:
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
         )  # fmt: skip
 
+    def _await_stop(self, timeout_s: float = 1800) -> None:
+        """Until the runner has stopped itself (loaded, or done with the last answer): a
+        request written before that could meet its SIGSTOP after our SIGCONT."""
+        stat = Path(f"/proc/{self.proc.pid}/stat")
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "T":
+                return
+            time.sleep(0.02)
+
     def run(self, batches: list[list[dict]]) -> list[list[list[int]]]:
         """Token ids for ``batches`` (each one ``LLM.generate`` call, in order)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._await_stop()
         try:
             self.proc.stdin.write(json.dumps(batches) + "\n")
             self.proc.stdin.flush()
+            os.kill(self.proc.pid, signal.SIGCONT)
             line = self.proc.stdout.readline()
-        except BrokenPipeError:
+        except (BrokenPipeError, ProcessLookupError):
             line = ""
         if not line.startswith(self.MARK):
             self.close()
@@ -174,6 +189,7 @@ class StockReference:
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()  # the runner exits at end of input
+            os.kill(self.proc.pid, signal.SIGCONT)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

@@ -20,9 +20,6 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    from obcache_vllm.cpu_binding import bind_in_process
-
-    bind_in_process()  # the in-process engine ignores VLLM_CPU_OMP_THREADS_BIND otherwise
     spec = json.loads(open(sys.argv[1]).read())
     out: dict = {}
     try:
