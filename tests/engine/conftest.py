@@ -31,7 +31,7 @@ os.environ.setdefault("OBCACHE_VLLM_VERIFY", "1")
 # VLLM_CPU_OMP_THREADS_BIND=0 (tests/conftest.py) binds the engines this session starts in
 # other processes. The session engine below runs in this process, where vLLM ignores the
 # variable (see obcache_vllm/cpu_binding.py): it keeps torch's thread per core, measured 1.57x
-# faster than one thread here while it runs alone (results/ci/engine-threads.json); its stock
+# faster than one thread here while it runs alone (results/ci/suite-time-2026-12-03.json); its stock
 # reference runs only while it waits.
 
 
