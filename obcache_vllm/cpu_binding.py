@@ -6,13 +6,14 @@ executor sets ``OMP_NUM_THREADS`` and the affinity of each worker it starts
 the platform switches every engine to that executor unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 (``vllm/platforms/cpu.py``, "UniProc is not supported as it is not possible to set the OMP
 environment correctly"). An engine in the calling process (``LLM`` with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the test suite, the evidence commands, the benchmarks'
-children) therefore ignores the variable and keeps torch's default, one OpenMP thread per core,
-unbound. On a two-core machine with a second process at work, that second thread spins in
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the test suite's engines, the evidence commands, the
+benchmarks' children) therefore ignores the variable and keeps torch's default, one OpenMP
+thread per core, unbound. On a two-core machine with a second process at work, that second thread spins in
 libgomp's barrier on a core the other process needs, and every small op waits for it.
 
 :func:`bind_in_process` applies the variable the way vLLM's workers do: the process keeps to
-the listed cores, one torch thread each. Call it before the engine starts: vLLM's CPU worker
+the listed cores, one torch thread each. The benchmark children call it; the test suite's
+shared engine deliberately does not (tests/engine/conftest.py says why). Call it before the engine starts: vLLM's CPU worker
 replaces ``torch.set_num_threads`` with a no-op once it has initialised.
 """
 
@@ -44,17 +45,15 @@ def parse_cores(value: str) -> set[int] | None:
     return cores
 
 
-def bind_in_process(value: str | None = None, *, pin: bool = True) -> set[int] | None:
+def bind_in_process(value: str | None = None) -> set[int] | None:
     """Keep this process to the cores ``value`` (default: the environment's
     ``VLLM_CPU_OMP_THREADS_BIND``) lists, with one torch thread per core; nothing for an
-    unbinding value. ``pin=False`` sets only the thread count: for a process whose children
-    must not inherit its affinity (the test session starts servers). Returns the cores."""
+    unbinding value. Returns the cores."""
     cores = parse_cores(os.environ.get(ENV, "") if value is None else value)
     if cores is None:
         return None
     import torch
 
-    if pin:
-        os.sched_setaffinity(0, cores)
+    os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
     return cores
