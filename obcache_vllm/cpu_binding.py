@@ -8,13 +8,15 @@ the platform switches every engine to that executor unless ``VLLM_ENABLE_V1_MULT
 environment correctly"). An engine in the calling process (``LLM`` with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the test suite's engines, the evidence commands, the
 benchmarks' children) therefore ignores the variable and keeps torch's default, one OpenMP
-thread per core, unbound. On a two-core machine with a second process at work, that second thread spins in
-libgomp's barrier on a core the other process needs, and every small op waits for it.
+thread per core, unbound. On a two-core machine with a second process at work, that second
+thread spins in libgomp's barrier on a core the other process needs, and every small op waits
+for it.
 
 :func:`bind_in_process` applies the variable the way vLLM's workers do: the process keeps to
 the listed cores, one torch thread each. The benchmark children call it; the test suite's
-shared engine deliberately does not (tests/engine/conftest.py says why). Call it before the engine starts: vLLM's CPU worker
-replaces ``torch.set_num_threads`` with a no-op once it has initialised.
+shared engine deliberately does not (tests/engine/conftest.py says why). Call it before the
+engine starts: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once it has
+initialised.
 """
 
 from __future__ import annotations
