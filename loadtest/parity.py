@@ -7,7 +7,12 @@ values of :data:`VALUES` or, for an unknown name, values derived from its annota
 sent to the plugin server and to stock vLLM (``VLLM_PLUGINS=``) from the same install:
 
 * without kv_* fields: the same HTTP status and, for 200s, the same response (ids and
-  timestamps aside): token ids and text included, every request being greedy or seeded;
+  timestamps aside): token ids and text included, every request being greedy or seeded. A
+  stream is compared by what it delivers (:func:`assemble_stream`: each choice's text, tokens,
+  log-probabilities and finish reason, and the last usage), not by where the server cut it
+  into events: vLLM merges the deltas of steps its HTTP side has not sent yet
+  (``RequestOutputCollector.put``), so two runs of stock vLLM itself cut the same tokens
+  differently when they are busy;
 * with a budget (the plugin alone): a 200 or a 4xx whose message names the reason, never a
   5xx.
 
@@ -259,7 +264,9 @@ def _post(url: str, path: str, body: dict, timeout: float = 300) -> tuple[int, A
     text = raw.decode(errors="replace")
     if text.startswith("data:"):  # a stream: its events, without the volatile keys
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
-        return status, [_normal(json.loads(e)) if e != "[DONE]" else e for e in events]
+        done = bool(events) and events[-1] == "[DONE]"
+        chunks = [_normal(json.loads(e)) for e in events if e != "[DONE]"]
+        return status, {"stream": assemble_stream(chunks), "done": done}
     try:
         return status, _normal(json.loads(text))
     except json.JSONDecodeError:
@@ -273,6 +280,42 @@ def _normal(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_normal(v) for v in obj]
     return obj
+
+
+def _merge(into: dict, delta: dict) -> None:
+    """Add one event's ``delta`` to ``into``: strings and lists are appended (text, tokens,
+    log-probabilities arrive in pieces), dicts merged the same way, anything else (an index,
+    a finish reason, a count) is the latest value that is not null."""
+    for key, value in delta.items():
+        have = into.get(key)
+        if value is None:
+            into.setdefault(key, None)
+        elif isinstance(value, str) and isinstance(have, str):
+            into[key] = have + value
+        elif isinstance(value, list) and isinstance(have, list):
+            into[key] = have + value
+        elif isinstance(value, dict) and isinstance(have, dict):
+            _merge(have, value)
+        elif isinstance(value, dict):
+            into[key] = {}
+            _merge(into[key], value)
+        else:
+            into[key] = list(value) if isinstance(value, list) else value
+
+
+def assemble_stream(chunks: list[dict]) -> dict:
+    """A stream's events as one response: per choice index, everything its deltas carried
+    (see :func:`_merge`); the other keys (``usage``, ``model``, ...) as their latest non-null
+    value. Independent of how many tokens each event held."""
+    choices: dict[int, dict] = {}
+    rest: dict[str, Any] = {}
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            _merge(choices.setdefault(choice.get("index", 0), {}), choice)
+        for key, value in chunk.items():
+            if key != "choices" and (value is not None or key not in rest):
+                rest[key] = value
+    return {**rest, "choices": [choices[i] for i in sorted(choices)]}
 
 
 # Floats (log-probabilities) are compared to this relative tolerance: on the CPU a request's

@@ -300,3 +300,52 @@ def test_parity_compares_floats_to_a_tolerance_and_everything_else_exactly():
     assert not same_response({"text": "a"}, {"text": "b"})
     assert not same_response({"ids": [1, 2]}, {"ids": [1, 2, 3]})
     assert not same_response({"a": 1}, {"b": 1})
+
+
+def _completion_events(pieces: list[list[str]], finish: str = "length") -> list[dict]:
+    """Completion stream events as vLLM sends them, one per list of tokens in ``pieces``."""
+    events = []
+    for i, toks in enumerate(pieces):
+        last = i == len(pieces) - 1
+        events.append({"object": "text_completion", "model": "m", "usage": None, "choices": [{
+            "index": 0, "text": "".join(toks), "finish_reason": finish if last else None,
+            "logprobs": {"tokens": toks, "token_logprobs": [-0.5] * len(toks)}}]})
+    events.append({"object": "text_completion", "model": "m", "choices": [],
+                   "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}})
+    return events
+
+
+def test_parity_compares_a_stream_by_what_it_delivers_not_by_where_it_was_cut():
+    from loadtest.parity import assemble_stream, same_response
+
+    # vLLM merges the deltas of steps its HTTP side has not sent yet: a busy server sends the
+    # same four tokens in fewer events.
+    one_each = assemble_stream(_completion_events([[" a"], [" b"], [" c"], [" d"]]))
+    merged = assemble_stream(_completion_events([[" a"], [" b", " c", " d"]]))
+    assert same_response(one_each, merged)
+    choice = merged["choices"][0]
+    assert choice["text"] == " a b c d" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [" a", " b", " c", " d"]
+    assert merged["usage"]["completion_tokens"] == 4
+    # What a user would see differ still differs: a token, the finish reason, a log-probability.
+    assert not same_response(one_each, assemble_stream(_completion_events([[" a"], [" b x"]])))
+    assert not same_response(merged, assemble_stream(
+        _completion_events([[" a"], [" b", " c", " d"]], finish="stop")))
+    other = _completion_events([[" a"], [" b", " c", " d"]])
+    other[1]["choices"][0]["logprobs"]["token_logprobs"][2] = -0.7
+    assert not same_response(merged, assemble_stream(other))
+
+
+def test_parity_assembles_chat_deltas_per_choice():
+    from loadtest.parity import assemble_stream
+
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 1, "delta": {"role": "assistant", "content": "Yes"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "No"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "."}, "finish_reason": "stop"}]},
+    ]
+    got = assemble_stream(events)["choices"]
+    assert [c["delta"] for c in got] == [{"role": "assistant", "content": "No."},
+                                         {"role": "assistant", "content": "Yes"}]
+    assert got[0]["finish_reason"] == "stop"
