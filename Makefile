@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
+.PHONY: setup serve test test-lanes test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity fidelity-2k fidelity-chats fidelity-topk \
 	lm-eval error-target adakv local-error head-layout
 
@@ -20,6 +20,10 @@ serve: setup
 ## Whole suite: unit + engine + slow tests
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## The whole suite as two pytest sessions, one per core (tests/support/lanes.py)
+test-lanes: setup
+	$(PY) scripts/test_lanes.py $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)

@@ -1,0 +1,95 @@
+"""The whole suite as two pytest sessions, one per core (tests/support/lanes.py says why).
+
+``python scripts/test_lanes.py [pytest arguments]``: starts lane 0 and lane 1, each pinned to
+one core (``taskset``; the first two of ``OBCACHE_TEST_CORES``, e.g. ``0,1``, or of this
+process's cores), ``OMP_NUM_THREADS=1``, its servers bound to its core, its own
+temporary directory; they share one directory of claims, so each test file runs once. Both
+lanes' output is printed line by line as it comes (a file's progress line appears when the
+file is done). The exit status is the worse of the two; under ``CI=true`` the two lanes'
+records (``.ci/last-run/lane-*.json``) are merged into ``.ci/last-run/suite.json``, whose
+``seconds`` is this command's wall time. With fewer than two cores it runs one plain session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAST_RUN = ROOT / ".ci" / "last-run"
+
+
+def _merge(records: list[dict], seconds: float) -> dict:
+    tiers: dict[str, dict[str, float]] = {}
+    for rec in records:
+        for name, tier in rec.get("tiers", {}).items():
+            into = tiers.setdefault(name, {"tests": 0, "seconds": 0.0})
+            into["tests"] += tier["tests"]
+            into["seconds"] = round(into["seconds"] + tier["seconds"], 1)
+    total = {k: sum(r.get(k, 0) for r in records) for k in ("tests", "passed", "failed", "skipped")}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": records[0].get("commit"),
+        "cpus": os.cpu_count(),
+        "exit_status": max(r.get("exit_status", 1) for r in records),
+        **total,
+        "seconds": round(seconds, 1),
+        "minutes": round(seconds / 60, 1),
+        "lanes": [{"tests": r.get("tests"), "seconds": r.get("seconds")} for r in records],
+        # per-tier sums of test durations in both lanes (they overlap in time)
+        "tiers": tiers,
+    }
+
+
+def main(argv: list[str]) -> int:
+    given = os.environ.get("OBCACHE_TEST_CORES")  # "0,1": these cores, else this process's
+    cores = [int(c) for c in given.split(",")] if given else sorted(os.sched_getaffinity(0))
+    pytest = [sys.executable, "-m", "pytest", *argv]
+    if len(cores) < 2:
+        return subprocess.call(pytest, cwd=ROOT)
+    claims = Path(tempfile.mkdtemp(prefix="obcache-lanes-"))
+    for old in LAST_RUN.glob("lane-*.json"):
+        old.unlink()
+    started = time.monotonic()
+    lock = threading.Lock()
+    procs, readers = [], []
+    for lane, core in enumerate(cores[:2]):
+        env = {**os.environ, "OBCACHE_TEST_LANE": str(lane), "OBCACHE_TEST_LANES": str(claims),
+               "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}  # fmt: skip
+        cmd = ["taskset", "-c", str(core), *pytest, f"--basetemp={claims / f'lane-{lane}'}"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)  # fmt: skip
+        procs.append(proc)
+
+        def pump(stream=proc.stdout):
+            for line in stream:  # whole lines, so the two lanes' lines never mix
+                with lock:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+
+        readers.append(threading.Thread(target=pump, daemon=True))
+        readers[-1].start()
+    codes = [p.wait() for p in procs]
+    for r in readers:
+        r.join()
+    seconds = time.monotonic() - started
+    records = [json.loads(p.read_text()) for p in sorted(LAST_RUN.glob("lane-*.json"))]
+    print(f"lanes: exit {codes}, {seconds:.0f} s ({seconds / 60:.1f} min) of pytest in two lanes")
+    if len(records) == 2:
+        merged = _merge(records, seconds)
+        print(f"suite: {merged['tests']} tests, {merged['passed']} passed, {merged['failed']} "
+              f"failed, {merged['skipped']} skipped, {merged['seconds']:.0f} s "
+              f"({merged['minutes']} min) of pytest")  # fmt: skip
+        (LAST_RUN / "suite.json").write_text(json.dumps(merged, indent=1) + "\n")
+        print(f"suite record: {LAST_RUN / 'suite.json'}")
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

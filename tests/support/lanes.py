@@ -1,0 +1,130 @@
+"""Two pytest sessions sharing one suite, a core each (``scripts/test_lanes.py`` starts them).
+
+Why: on a 2-core machine the suite is bound by the model's forward passes, and one engine
+with a thread per core is a poor use of two cores: measured on this model
+(``scripts/engine_threads.py``), two threads make prefill about 1.6x and decode about 1.2x
+faster than one, and an OpenAI-style server's engine runs one thread anyway. Two sessions
+with one thread each do more work per second, provided neither waits for the other.
+
+How: each session (a *lane*) collects the whole suite, then runs whole test files, claiming
+each file before it starts it (an ``O_EXCL`` file in the directory ``OBCACHE_TEST_LANES``
+names), so every file runs exactly once, in one lane, with its module fixtures intact. The
+lanes take files from the two ends of one preference list:
+
+* lane 0 starts with the engine tests on the shared in-process engine (longest first), the
+  lane whose one engine and stock reference serve most of the suite;
+* lane 1 starts with the server tests, then the unit and vllm tiers, then the engine tests
+  that start processes of their own; it reaches the shared-engine files last, from the end of
+  lane 0's list, starting its own engine only if some are left.
+
+A file's last test is run knowing which file comes next in its lane (the next claim is made
+before it), so module and directory-level teardowns happen as in a plain run.
+
+The lane's process (and what it starts) is pinned to its core by the driver; servers bind to
+it too (``VLLM_CPU_OMP_THREADS_BIND``), and ``OMP_NUM_THREADS=1`` gives the in-process engines
+one thread. Outside a lane (``OBCACHE_TEST_LANE`` unset) nothing here is active.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+LANE_ENV = "OBCACHE_TEST_LANE"
+CLAIMS_ENV = "OBCACHE_TEST_LANES"
+
+# Shared-engine files that take minutes: first in lane 0, so neither lane ends on one of them.
+LONG_FIRST = (
+    "test_hf_reference.py",
+    "test_decode_eviction.py",
+    "test_prefix_cache.py",
+    "test_stress.py",
+    "test_adakv.py",
+    "test_error_target.py",
+)
+# Server files that take minutes: first in lane 1.
+LONG_SERVER_FIRST = ("test_soak.py", "test_concurrent_reuse_http.py", "test_fidelity_http.py",
+                     "test_lm_eval.py", "test_examples.py")  # fmt: skip
+
+
+def lane() -> int | None:
+    value = os.environ.get(LANE_ENV)
+    return int(value) if value not in (None, "") else None
+
+
+def _kind(items: list[pytest.Item]) -> str:
+    """"shared" (uses the session's in-process engine), "server", "engine" (engine tests that
+    start their own processes), or the folder's tier ("unit", "vllm")."""
+    names = set().union(*(set(getattr(i, "fixturenames", ())) for i in items))
+    folder = Path(items[0].path).parent.name
+    if "llm" in names:
+        return "shared"
+    if folder == "server" or names & {"server", "stock_server", "early_server"}:
+        return "server"
+    return folder
+
+
+def _ranked(files: list[Path], first: tuple[str, ...]) -> list[Path]:
+    rank = {name: i for i, name in enumerate(first)}
+    return sorted(files, key=lambda f: rank.get(f.name, len(rank)))
+
+
+def preference(groups: dict[Path, list[pytest.Item]], which: int) -> list[Path]:
+    """The order in which lane ``which`` tries to claim files."""
+    by_kind: dict[str, list[Path]] = {}
+    for path, items in groups.items():
+        by_kind.setdefault(_kind(items), []).append(path)
+    shared = _ranked(by_kind.pop("shared", []), LONG_FIRST)
+    server = _ranked(by_kind.pop("server", []), LONG_SERVER_FIRST)
+    engine = by_kind.pop("engine", [])
+    rest = [p for kind in sorted(by_kind) for p in by_kind[kind]]  # unit, vllm
+    lane1 = server + rest + engine + shared[::-1]
+    return lane1 if which else lane1[::-1]
+
+
+def _claim(directory: Path, path: Path) -> bool:
+    name = str(path).replace(os.sep, "_")
+    try:
+        os.close(os.open(directory / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def runtestloop(session: pytest.Session, which: int) -> bool:
+    """pytest's run loop over the files this lane claims (see the module docstring)."""
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted(f"{session.testsfailed} errors during collection")
+    if session.config.option.collectonly:
+        return True
+    directory = Path(os.environ[CLAIMS_ENV])
+    groups: dict[Path, list[pytest.Item]] = {}
+    for item in session.items:
+        groups.setdefault(Path(item.path), []).append(item)
+    order = preference(groups, which)
+
+    def claim_from(start: int) -> int | None:
+        for k in range(start, len(order)):
+            if _claim(directory, order[k]):
+                return k
+        return None
+
+    current = claim_from(0)
+    while current is not None:
+        items = groups[order[current]]
+        following = None
+        for j, item in enumerate(items):
+            if j + 1 < len(items):
+                nextitem = items[j + 1]
+            else:
+                following = claim_from(current + 1)
+                nextitem = groups[order[following]][0] if following is not None else None
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+            if session.shouldfail:
+                raise session.Failed(session.shouldfail)
+            if session.shouldstop:
+                raise session.Interrupted(session.shouldstop)
+        current = following
+    return True

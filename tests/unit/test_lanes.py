@@ -1,0 +1,85 @@
+"""The two-lane runner's own logic (tests/support/lanes.py, scripts/test_lanes.py) on stand-ins;
+scripts/test_lanes.py on real files is checked at the end (two pytest sessions, one file each)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+from support import lanes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _items(path: str, *fixtures: str) -> list:
+    return [SimpleNamespace(path=Path(path), fixturenames=["request", *fixtures])]
+
+
+GROUPS = {Path(p): _items(p, *f) for p, f in [
+    ("tests/engine/test_admission.py", ("llm", "engine")),
+    ("tests/engine/test_stress.py", ("llm",)),
+    ("tests/engine/test_hf_reference.py", ("llm", "tokenizer")),
+    ("tests/engine/test_small_pool.py", ("model_path",)),
+    ("tests/engine/test_smoke.py", ("server",)),
+    ("tests/server/test_parity.py", ("server", "stock_server")),
+    ("tests/server/test_soak.py", ("model_path",)),
+    ("tests/unit/test_options.py", ()),
+    ("tests/vllm/test_cpu_view.py", ()),
+]}  # fmt: skip
+
+
+def test_lanes_take_the_shared_engine_and_the_servers_from_the_two_ends_of_one_list():
+    zero, one = lanes.preference(GROUPS, 0), lanes.preference(GROUPS, 1)
+    assert zero == one[::-1] and sorted(zero) == sorted(GROUPS)
+    names0 = [p.name for p in zero]
+    # lane 0: the longest shared-engine files first, then the rest of the shared engine's
+    assert names0[:3] == ["test_hf_reference.py", "test_stress.py", "test_admission.py"]
+    # lane 1: the soak first (a long server file), every server file before any unit file
+    names1 = [p.name for p in one]
+    assert names1[:3] == ["test_soak.py", "test_smoke.py", "test_parity.py"]
+    assert names1.index("test_options.py") > names1.index("test_smoke.py")
+    assert names1.index("test_small_pool.py") < names1.index("test_admission.py")
+
+
+def test_a_file_is_claimed_by_exactly_one_lane(tmp_path: Path):
+    files = [Path(f"tests/x/test_{i}.py") for i in range(200)]
+    won: list[list[Path]] = [[], []]
+
+    def lane(which: int) -> None:
+        for f in files if which else files[::-1]:
+            if lanes._claim(tmp_path, f):
+                won[which].append(f)
+
+    threads = [threading.Thread(target=lane, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(won[0] + won[1]) == sorted(files) and not set(won[0]) & set(won[1])
+
+
+def test_two_lanes_run_each_file_once(tmp_path: Path):
+    """scripts/test_lanes.py on two small real files: each runs once, in one lane or the
+    other, and the exit status is pytest's."""
+    files = ["tests/unit/test_cpu_binding.py", "tests/unit/test_options_planning.py"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OBCACHE_TEST_LANE")}
+    # both cores, also when this test itself runs in a lane pinned to one of them
+    env["OBCACHE_TEST_CORES"] = "0,1"
+    proc = subprocess.run([sys.executable, "scripts/test_lanes.py", *files, "-q", "-p",
+                           "no:cacheprovider", "-rA"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    passed = [line.split()[1].split("::")[0] for line in out.splitlines()
+              if line.startswith("PASSED ")]  # fmt: skip
+    assert set(passed) == set(files), out[-3000:]
+    runs = {f: passed.count(f) for f in files}
+    one_each = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", *files], cwd=REPO,
+                              capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    for f in files:
+        assert runs[f] == sum(line.startswith(f + "::") for line in one_each.splitlines())
+    assert "lanes: exit [0, 0]" in out
