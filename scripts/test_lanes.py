@@ -47,6 +47,13 @@ def _merge(records: list[dict], seconds: float) -> dict:
     }
 
 
+def _selected(line: str) -> int:
+    """The tests a lane will choose from: pytest's "collected N items[ / D deselected / S
+    selected]" line."""
+    parts = [p.split() for p in line.split("/")]
+    return int(parts[-1][0]) if len(parts) > 1 else int(parts[0][1])
+
+
 def main(argv: list[str]) -> int:
     given = os.environ.get("OBCACHE_TEST_CORES")  # "0,1": these cores, else this process's
     cores = [int(c) for c in given.split(",")] if given else sorted(os.sched_getaffinity(0))
@@ -59,6 +66,7 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     lock = threading.Lock()
     procs, readers = [], []
+    collected: list[int] = []
     for lane, core in enumerate(cores[:2]):
         env = {**os.environ, "OBCACHE_TEST_LANE": str(lane), "OBCACHE_TEST_LANES": str(claims),
                "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}  # fmt: skip
@@ -70,6 +78,8 @@ def main(argv: list[str]) -> int:
         def pump(stream=proc.stdout):
             for line in stream:  # whole lines, so the two lanes' lines never mix
                 with lock:
+                    if line.startswith("collected "):
+                        collected.append(_selected(line))
                     sys.stdout.write(line)
                     sys.stdout.flush()
 
@@ -86,6 +96,10 @@ def main(argv: list[str]) -> int:
         print(f"suite: {merged['tests']} tests, {merged['passed']} passed, {merged['failed']} "
               f"failed, {merged['skipped']} skipped, {merged['seconds']:.0f} s "
               f"({merged['minutes']} min) of pytest")  # fmt: skip
+        if collected and merged["tests"] != collected[0]:
+            # a lane that died would leave files unclaimed: their tests ran nowhere
+            print(f"lanes: {merged['tests']} tests ran, {collected[0]} were selected: FAILED")
+            return max(codes) or 1
         (LAST_RUN / "suite.json").write_text(json.dumps(merged, indent=1) + "\n")
         print(f"suite record: {LAST_RUN / 'suite.json'}")
     return max(codes)

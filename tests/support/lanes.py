@@ -13,9 +13,12 @@ lanes take files from the two ends of one preference list:
 
 * lane 0 starts with the engine tests on the shared in-process engine (longest first), the
   lane whose one engine and stock reference serve most of the suite;
-* lane 1 starts with the server tests, then the unit and vllm tiers, then the engine tests
-  that start processes of their own; it reaches the shared-engine files last, from the end of
-  lane 0's list, starting its own engine only if some are left.
+* lane 1 starts with the server tests (the ones that start servers or engines of their own
+  first, before the stock server joins the session's), then the unit and vllm tiers, then the
+  engine tests that start processes of their own;
+* lane 0 takes that last group from its end once its shared-engine files are done, so the two
+  lanes meet in the middle of it. Neither lane ever takes the other's own kind (memory: see
+  :func:`preference`).
 
 A file's last test is run knowing which file comes next in its lane (the next claim is made
 before it), so module and directory-level teardowns happen as in a plain run.
@@ -44,9 +47,16 @@ LONG_FIRST = (
     "test_adakv.py",
     "test_error_target.py",
 )
-# Server files that take minutes: first in lane 1.
-LONG_SERVER_FIRST = ("test_soak.py", "test_concurrent_reuse_http.py", "test_fidelity_http.py",
-                     "test_lm_eval.py", "test_examples.py")  # fmt: skip
+# Server files that start servers or engines of their own (first in lane 1, while the
+# session's server is the only other one up), then the long ones.
+LONG_SERVER_FIRST = (
+    "test_soak.py",
+    "test_fleet.py",
+    "test_examples.py",
+    "test_concurrent_reuse_http.py",
+    "test_fidelity_http.py",
+    "test_lm_eval.py",
+)
 
 
 def lane() -> int | None:
@@ -80,8 +90,11 @@ def preference(groups: dict[Path, list[pytest.Item]], which: int) -> list[Path]:
     server = _ranked(by_kind.pop("server", []), LONG_SERVER_FIRST)
     engine = by_kind.pop("engine", [])
     rest = [p for kind in sorted(by_kind) for p in by_kind[kind]]  # unit, vllm
-    lane1 = server + rest + engine + shared[::-1]
-    return lane1 if which else lane1[::-1]
+    middle = rest + engine  # either lane's, whichever gets there first
+    # Neither lane takes the other's own kind: a second shared engine or a second set of
+    # servers would cost more memory than a 24 GiB machine has beside the first (an engine
+    # and its stock reference about 4.5 GB, a server about 3.3 GB, the fleet's two workers 6.6).
+    return shared + middle[::-1] if which == 0 else server + middle
 
 
 def _claim(directory: Path, path: Path) -> bool:
