@@ -32,7 +32,8 @@ os.environ.setdefault("OBCACHE_VLLM_VERIFY", "1")
 # other processes. The session engine below runs in this process, where vLLM ignores the
 # variable (see obcache_vllm/cpu_binding.py): it keeps torch's thread per core, measured 1.57x
 # faster than one thread here while it runs alone (results/ci/suite-time-2026-12-03.json); its stock
-# reference runs only while it waits.
+# reference runs only while it waits. In a lane (scripts/test_lanes.py: two sessions, a core
+# each) OMP_NUM_THREADS=1 gives it one thread, and the other core runs the other lane.
 
 
 @pytest.fixture(scope="session")
