@@ -1,13 +1,14 @@
 """The whole suite as two pytest sessions, one per core (tests/support/lanes.py says why).
 
 ``python scripts/test_lanes.py [pytest arguments]``: starts lane 0 and lane 1, each pinned to
-one core (``taskset``; the first two of ``OBCACHE_TEST_CORES``, e.g. ``0,1``, or of this
+one core (its affinity; the first two of ``OBCACHE_TEST_CORES``, e.g. ``0,1``, or of this
 process's cores), ``OMP_NUM_THREADS=1``, its servers bound to its core, its own
 temporary directory; they share one directory of claims, so each test file runs once. Both
 lanes' output is printed line by line as it comes (a file's progress line appears when the
 file is done). The exit status is the worse of the two; under ``CI=true`` the two lanes'
-records (``.ci/last-run/lane-*.json``) are merged into ``.ci/last-run/suite.json``, whose
-``seconds`` is this command's wall time. With fewer than two cores it runs one plain session.
+records (``lane-0.json``, ``lane-1.json`` in .ci/last-run/) are merged into the run's
+``suite.json`` there, whose ``seconds`` is this command's wall time. With fewer than two
+cores it runs one plain session.
 """
 
 from __future__ import annotations
@@ -69,10 +70,13 @@ def main(argv: list[str]) -> int:
     collected: list[int] = []
     for lane, core in enumerate(cores[:2]):
         env = {**os.environ, "OBCACHE_TEST_LANE": str(lane), "OBCACHE_TEST_LANES": str(claims),
-               "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}  # fmt: skip
-        cmd = ["taskset", "-c", str(core), *pytest, f"--basetemp={claims / f'lane-{lane}'}"]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)  # fmt: skip
+               "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+               "OBCACHE_TEST_CORES": ",".join(map(str, cores[:2]))}  # fmt: skip
+        cmd = [*pytest, f"--basetemp={claims / f'lane-{lane}'}"]
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            bufsize=1, preexec_fn=lambda core=core: os.sched_setaffinity(0, {core}),
+        )  # fmt: skip
         procs.append(proc)
 
         def pump(stream=proc.stdout):

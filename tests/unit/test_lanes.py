@@ -27,7 +27,7 @@ GROUPS = {Path(p): _items(p, *f) for p, f in [
     ("tests/engine/test_smoke.py", ("server",)),
     ("tests/server/test_parity.py", ("server", "stock_server")),
     ("tests/server/test_soak.py", ("model_path",)),
-    ("tests/unit/test_options.py", ()),
+    ("tests/unit/test_options_planning.py", ()),
     ("tests/vllm/test_cpu_view.py", ()),
 ]}  # fmt: skip
 
@@ -48,12 +48,12 @@ def test_lane_0_takes_the_shared_engine_lane_1_the_servers_and_both_the_rest():
     # lane 1: the soak first (a long server file), every server file before any unit file
     names1 = [p.name for p in one]
     assert names1[:3] == ["test_soak.py", "test_smoke.py", "test_parity.py"]
-    assert names1.index("test_options.py") > names1.index("test_smoke.py")
+    assert names1.index("test_options_planning.py") > names1.index("test_smoke.py")
     assert names1[-1] == "test_small_pool.py" and names0[3] == "test_small_pool.py"
 
 
 def test_a_file_is_claimed_by_exactly_one_lane(tmp_path: Path):
-    files = [Path(f"tests/x/test_{i}.py") for i in range(200)]
+    files = [Path(f"x/test_{i}.py") for i in range(200)]
     won: list[list[Path]] = [[], []]
 
     def lane(which: int) -> None:
