@@ -55,7 +55,7 @@ def _tp1(engine, prompts: dict) -> dict:
         "tokens": {n: list(o.outputs[0].token_ids) for n, o in zip(REQUESTS, outs, strict=True)},
         "outcome": {n: (o.kv_transfer_params or {}).get("obcache")
                     for n, o in zip(REQUESTS, outs, strict=True)},  # fmt: skip
-        "kept": records_of(engine.runner)[-len(REQUESTS):],  # this batch's, in arrival order
+        "kept": records_of(engine.runner, last=len(REQUESTS)),  # this batch's, in arrival order
     }
 
 

@@ -23,11 +23,14 @@ def kept_indices(worker) -> list[dict]:
     return records_of(worker.model_runner)
 
 
-def records_of(runner) -> list[dict]:
-    records = runner.obcache.records or {}
+def records_of(runner, last: int | None = None) -> list[dict]:
+    """``last``: only the newest ``last`` records. The shared engine's runner also holds the
+    records of every earlier test, some not per-layer tensors (which test ran before depends
+    on the order the files run in), so its caller takes only its own batch's."""
+    records = list((runner.obcache.records or {}).values())
     return [
         {layer: v.tolist() for layer, v in rec.items() if ":" not in layer}
-        for rec in records.values()
+        for rec in (records[-last:] if last else records)
     ]
 
 
