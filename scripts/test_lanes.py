@@ -24,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAST_RUN = ROOT / ".ci" / "last-run"
+sys.path.insert(0, str(ROOT / "tests"))
+from support.lanes import CLAIMS_ENV, LANE_ENV, suite_cores  # noqa: E402
 
 
 def _merge(records: list[dict], seconds: float) -> dict:
@@ -56,8 +58,7 @@ def _selected(line: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    given = os.environ.get("OBCACHE_TEST_CORES")  # "0,1": these cores, else this process's
-    cores = [int(c) for c in given.split(",")] if given else sorted(os.sched_getaffinity(0))
+    cores = suite_cores()
     pytest = [sys.executable, "-m", "pytest", *argv]
     if len(cores) < 2:
         return subprocess.call(pytest, cwd=ROOT)
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> int:
     procs, readers = [], []
     collected: list[int] = []
     for lane, core in enumerate(cores[:2]):
-        env = {**os.environ, "OBCACHE_TEST_LANE": str(lane), "OBCACHE_TEST_LANES": str(claims),
+        env = {**os.environ, LANE_ENV: str(lane), CLAIMS_ENV: str(claims),
                "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
                "OBCACHE_TEST_CORES": ",".join(map(str, cores[:2]))}  # fmt: skip
         cmd = [*pytest, f"--basetemp={claims / f'lane-{lane}'}"]

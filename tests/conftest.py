@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.lanes import lane as _lane
 
 # Settings for engines created in this session, exported before any engine exists so that the
 # EngineCore and worker processes (spawned) inherit them. setdefault: the caller may override.
@@ -127,10 +128,10 @@ _early: dict = {}
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session):
     """In a lane (``scripts/test_lanes.py``), only the test files this session claims."""
-    from support import lanes
+    from support.lanes import runtestloop
 
-    which = lanes.lane()
-    return None if which is None else lanes.runtestloop(session, which)
+    which = _lane()
+    return None if which is None else runtestloop(session, which)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -149,12 +150,11 @@ def _launch(name: str, tmp_path_factory: pytest.TempPathFactory):
 def server(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     """The session's `obcache-vllm serve` (plugin active), small test settings; the other
     servers the collected tests use start beside it."""
-    from support import lanes
     from support.server import Launch
 
     # In a lane (support/lanes.py) the other servers start when a test asks: the lane has one
     # core, so two start-ups side by side take as long as one after the other.
-    for name in EARLY_SERVERS if lanes.lane() is None else ():
+    for name in EARLY_SERVERS if _lane() is None else ():
         if name in _used_fixtures and name not in _early:
             _early[name] = _launch(name, tmp_path_factory)
     launch = Launch(tmp_path_factory.mktemp("server"))
@@ -260,8 +260,8 @@ def _ci() -> bool:
 # under CI=true writes suite.json into .ci/last-run/ (ignored by git: a run must not change the
 # committed results/ci/suite.json the docs test reads); publishing a run is copying it there.
 SUITE_RECORD = Path(__file__).resolve().parents[1] / ".ci" / "last-run" / "suite.json"
-if os.environ.get("OBCACHE_TEST_LANE"):  # one of two lanes: scripts/test_lanes.py merges them
-    SUITE_RECORD = SUITE_RECORD.with_name(f"lane-{os.environ['OBCACHE_TEST_LANE']}.json")
+if _lane() is not None:  # one of two lanes: scripts/test_lanes.py merges their records
+    SUITE_RECORD = SUITE_RECORD.with_name(f"lane-{_lane()}.json")
 _started = time.time()
 _tiers: dict[str, dict[str, float]] = {}
 _outcomes: dict[str, int] = {}

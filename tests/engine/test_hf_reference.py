@@ -259,8 +259,9 @@ def _start_hf(tmp: Path, model_path, prompts, contexts, chunk_ends) -> list[subp
     # In a lane (scripts/test_lanes.py) this process has one core; the HF side still takes
     # both of the suite's (OBCACHE_TEST_CORES): it comes first in its lane, while the other
     # lane has time to spare.
-    given = os.environ.get("OBCACHE_TEST_CORES")
-    cores = [int(c) for c in given.split(",")] if given else sorted(os.sched_getaffinity(0))
+    from support.lanes import suite_cores
+
+    cores = suite_cores()
     return [
         subprocess.Popen(
             [sys.executable, __file__, str(spec), str(tmp), str(core)],

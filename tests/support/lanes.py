@@ -59,6 +59,13 @@ LONG_SERVER_FIRST = (
 )
 
 
+def suite_cores() -> list[int]:
+    """The cores the suite may use: ``OBCACHE_TEST_CORES`` ("0,1", set by the driver for both
+    lanes, each of which is pinned to one of them), else this process's."""
+    given = os.environ.get("OBCACHE_TEST_CORES")
+    return [int(c) for c in given.split(",")] if given else sorted(os.sched_getaffinity(0))
+
+
 def lane() -> int | None:
     value = os.environ.get(LANE_ENV)
     return int(value) if value not in (None, "") else None
