@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-lanes test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
+.PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity fidelity-2k fidelity-chats fidelity-topk \
 	lm-eval error-target adakv local-error head-layout
 
@@ -17,13 +17,14 @@ setup:
 serve: setup
 	$(VENV)/bin/obcache-vllm serve $(ARGS)
 
-## Whole suite: unit + engine + slow tests
+## Whole suite: unit + engine + slow tests, as two pytest sessions with a core each
+## (tests/support/lanes.py; one plain session on a 1-core machine)
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
-
-## The whole suite as two pytest sessions, one per core (tests/support/lanes.py)
-test-lanes: setup
 	$(PY) scripts/test_lanes.py $(PYTEST_ARGS)
+
+## The whole suite as one plain pytest session (both cores' threads in one engine)
+test-one-session: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)

@@ -17,7 +17,11 @@ lanes take files from the two ends of one preference list:
   first, before the stock server joins the session's), then the unit and vllm tiers, then the
   engine tests that start processes of their own;
 * lane 0 takes that last group from its end once its shared-engine files are done, so the two
-  lanes meet in the middle of it. Neither lane ever takes the other's own kind (memory: see
+  lanes meet in the middle of it;
+* the shared-engine files outweigh everything else (about 40 of 64 minutes of test time in
+  the first two-lane run), so lane 1 ends on them, from the short end of lane 0's list: before
+  its first one it stops what its server files left running (:func:`release`) and starts a
+  shared engine of its own. Lane 0 never takes a server file (memory: see
   :func:`preference`).
 
 A file's last test is run knowing which file comes next in its lane (the next claim is made
@@ -88,20 +92,67 @@ def _ranked(files: list[Path], first: tuple[str, ...]) -> list[Path]:
     return sorted(files, key=lambda f: rank.get(f.name, len(rank)))
 
 
+SERVER_FIXTURES = frozenset({"server", "stock_server", "early_server"})
+
+
 def preference(groups: dict[Path, list[pytest.Item]], which: int) -> list[Path]:
     """The order in which lane ``which`` tries to claim files."""
     by_kind: dict[str, list[Path]] = {}
     for path, items in groups.items():
         by_kind.setdefault(_kind(items), []).append(path)
-    shared = _ranked(by_kind.pop("shared", []), LONG_FIRST)
+    # shared-engine files that use a server too go early in lane 0's list, where lane 1 (whose
+    # servers are stopped by then) seldom reaches them
+    shared = by_kind.pop("shared", [])
+    with_server = tuple(p.name for p in shared if _fixtures(groups[p]) & SERVER_FIXTURES)
+    shared = _ranked(shared, LONG_FIRST + with_server)
     server = _ranked(by_kind.pop("server", []), LONG_SERVER_FIRST)
     engine = by_kind.pop("engine", [])
     rest = [p for kind in sorted(by_kind) for p in by_kind[kind]]  # unit, vllm
     middle = rest + engine  # either lane's, whichever gets there first
-    # Neither lane takes the other's own kind: a second shared engine or a second set of
-    # servers would cost more memory than a 24 GiB machine has beside the first (an engine
-    # and its stock reference about 4.5 GB, a server about 3.3 GB, the fleet's two workers 6.6).
-    return shared + middle[::-1] if which == 0 else server + middle
+    # Memory (24 GiB): an engine and its stock reference take about 4.5 GB, a server about 3.3,
+    # the fleet's two workers 6.6. Lane 1 holds servers or, later, a shared engine, never both
+    # (release); lane 0 holds its engine throughout and never starts the server files' set.
+    return shared + middle[::-1] if which == 0 else server + middle + shared[::-1]
+
+
+def _fixtures(items: list[pytest.Item]) -> set[str]:
+    return set().union(*(set(getattr(i, "fixturenames", ())) for i in items))
+
+
+# The session-scoped fixtures this session has set up, each with the request that set it up.
+_session_fixtures: list[tuple[object, object]] = []
+
+
+def record_fixture(fixturedef, request) -> None:
+    if fixturedef.scope == "session":
+        _session_fixtures.append((fixturedef, request))
+
+
+class _Recorder:
+    """Registered as a plugin by :func:`runtestloop`: a conftest's own hook would not see the
+    session-scoped fixtures (pytest calls their setup hook on the Session node, which a
+    conftest below the root does not cover)."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        result = yield
+        record_fixture(fixturedef, request)
+        return result
+
+
+def release(names: frozenset[str] = SERVER_FIXTURES) -> list[str]:
+    """Tear down the session-scoped fixtures named ``names`` that this session has set up (and,
+    through pytest's own finalizers, whatever depends on them): lane 1 stops its server files'
+    servers this way before it starts a shared engine. A fixture released here is set up
+    again if a later test asks for it (a shared-engine file that also uses a server). Returns
+    the names released, the last set up first."""
+    released = []
+    for fixturedef, request in reversed(_session_fixtures):
+        if fixturedef.argname in names and fixturedef.cached_result is not None:
+            fixturedef.finish(request)
+            released.append(fixturedef.argname)
+    _session_fixtures[:] = [(f, r) for f, r in _session_fixtures if f.cached_result is not None]
+    return released
 
 
 def _claim(directory: Path, path: Path) -> bool:
@@ -120,6 +171,7 @@ def runtestloop(session: pytest.Session, which: int) -> bool:
     if session.config.option.collectonly:
         return True
     directory = Path(os.environ[CLAIMS_ENV])
+    session.config.pluginmanager.register(_Recorder(), "obcache-lane-fixtures")
     groups: dict[Path, list[pytest.Item]] = {}
     for item in session.items:
         groups.setdefault(Path(item.path), []).append(item)
@@ -131,9 +183,16 @@ def runtestloop(session: pytest.Session, which: int) -> bool:
                 return k
         return None
 
+    shared = {p for p, items in groups.items() if _kind(items) == "shared"}
+    released = which == 0
     current = claim_from(0)
     while current is not None:
         items = groups[order[current]]
+        if not released and order[current] in shared:
+            released = True
+            names = release()
+            print(f"\nlane {which}: stopped {', '.join(names) or 'nothing'} before "
+                  f"{order[current]}", flush=True)  # fmt: skip
         following = None
         for j, item in enumerate(items):
             if j + 1 < len(items):

@@ -36,20 +36,60 @@ def test_lane_0_takes_the_shared_engine_lane_1_the_servers_and_both_the_rest():
     zero, one = lanes.preference(GROUPS, 0), lanes.preference(GROUPS, 1)
     shared = {"test_admission.py", "test_stress.py", "test_hf_reference.py"}
     server = {"test_smoke.py", "test_parity.py", "test_soak.py"}
-    # each lane keeps off the other's own kind (a second engine or server set: memory) and
-    # both can take the rest, from opposite ends
+    # lane 0 keeps off the server files; lane 1 takes every kind, the shared engine's last
     assert {p.name for p in zero} == set(p.name for p in GROUPS) - server
-    assert {p.name for p in one} == set(p.name for p in GROUPS) - shared
-    middle = [p for p in one if p.name not in server]
+    assert {p.name for p in one} == set(p.name for p in GROUPS)
+    middle = [p for p in one if p.name not in server | shared]
     assert zero[len(shared):] == middle[::-1]
     names0 = [p.name for p in zero]
     # lane 0: the longest shared-engine files first, then the rest of the shared engine's
     assert names0[:3] == ["test_hf_reference.py", "test_stress.py", "test_admission.py"]
-    # lane 1: the soak first (a long server file), every server file before any unit file
+    # lane 1: the soak first (a long server file), every server file before any unit file,
+    # then the middle, then the shared engine's files from the short end of lane 0's list
     names1 = [p.name for p in one]
     assert names1[:3] == ["test_soak.py", "test_smoke.py", "test_parity.py"]
     assert names1.index("test_options_planning.py") > names1.index("test_smoke.py")
-    assert names1[-1] == "test_small_pool.py" and names0[3] == "test_small_pool.py"
+    assert names1[-3:] == names0[:3][::-1]
+    assert names1[-4] == "test_small_pool.py" and names0[3] == "test_small_pool.py"
+
+
+def test_a_shared_engine_file_that_uses_a_server_comes_early_in_lane_0():
+    both = "tests/engine/test_both.py"
+    groups = {**GROUPS, Path(both): _items(both, "llm", "server")}
+    names0 = [p.name for p in lanes.preference(groups, 0)]
+    names1 = [p.name for p in lanes.preference(groups, 1)]
+    assert names0[:4] == [
+        "test_hf_reference.py", "test_stress.py", "test_both.py", "test_admission.py"
+    ]  # fmt: skip
+    assert names1[-3] == "test_both.py"
+
+
+class _Def:
+    """A stand-in for pytest's FixtureDef: finish() runs its teardown once."""
+
+    def __init__(self, name: str, torn: list[str]):
+        self.argname, self.scope, self.cached_result, self.torn = name, "session", ("v",), torn
+
+    def finish(self, request) -> None:
+        self.torn.append(self.argname)
+        self.cached_result = None
+
+
+def test_release_tears_down_the_named_session_fixtures_last_set_up_first(monkeypatch):
+    torn: list[str] = []
+    monkeypatch.setattr(lanes, "_session_fixtures", [])
+    defs = {n: _Def(n, torn) for n in ("model_path", "server", "early_server", "stock_server")}
+    for d in defs.values():
+        lanes.record_fixture(d, request=None)
+    lanes.record_fixture(SimpleNamespace(scope="module", argname="server"), request=None)
+    assert lanes.release() == ["stock_server", "early_server", "server"]
+    assert torn == ["stock_server", "early_server", "server"]
+    assert defs["model_path"].cached_result
+    # a server set up again is released again; what was not named stays
+    defs["server"].cached_result = ("again",)
+    lanes.record_fixture(defs["server"], request=None)
+    assert lanes.release() == ["server"]
+    assert [d.argname for d, _ in lanes._session_fixtures] == ["model_path"]
 
 
 def test_a_file_is_claimed_by_exactly_one_lane(tmp_path: Path):
