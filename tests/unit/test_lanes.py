@@ -54,14 +54,14 @@ def test_lane_0_takes_the_shared_engine_lane_1_the_servers_and_both_the_rest():
 
 
 def test_a_shared_engine_file_that_uses_a_server_comes_early_in_lane_0():
-    both = "tests/engine/test_both.py"
+    both = "tests/engine/test_smoke.py"  # in GROUPS a server file; here it uses `llm` too
     groups = {**GROUPS, Path(both): _items(both, "llm", "server")}
     names0 = [p.name for p in lanes.preference(groups, 0)]
     names1 = [p.name for p in lanes.preference(groups, 1)]
     assert names0[:4] == [
-        "test_hf_reference.py", "test_stress.py", "test_both.py", "test_admission.py"
+        "test_hf_reference.py", "test_stress.py", "test_smoke.py", "test_admission.py"
     ]  # fmt: skip
-    assert names1[-3] == "test_both.py"
+    assert names1[-3] == "test_smoke.py"
 
 
 class _Def:
