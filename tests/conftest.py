@@ -262,7 +262,7 @@ def _ci() -> bool:
 SUITE_RECORD = Path(__file__).resolve().parents[1] / ".ci" / "last-run" / "suite.json"
 if _lane() is not None:  # one of two lanes: scripts/test_lanes.py merges their records
     SUITE_RECORD = SUITE_RECORD.with_name(f"lane-{_lane()}.json")
-_started = time.time()
+_started = time.monotonic()  # a duration: immune to the wall clock being set
 _tiers: dict[str, dict[str, float]] = {}
 _outcomes: dict[str, int] = {}
 
@@ -285,7 +285,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def _suite_record(exitstatus: int) -> dict:
-    seconds = time.time() - _started
+    seconds = time.monotonic() - _started
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or None,

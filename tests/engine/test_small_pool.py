@@ -1,7 +1,8 @@
 """An 8K-token prompt in a KV pool of 4K tokens: stock vLLM refuses to start; obcache serves it.
 
-Two fresh engines in subprocesses (pool_runner.py), the plugin's on core 0 and stock vLLM's
-on core 1, same settings: 128 blocks of 32 tokens, max_model_len 8192, 512 tokens per prefill
+Two fresh engines in subprocesses (pool_runner.py), the plugin's on the first of this
+process's cores and stock vLLM's on the last (one core each on two; both on a lane's one core
+when the suite runs in lanes, tests/support/lanes.py), same settings: 128 blocks of 32 tokens, max_model_len 8192, 512 tokens per prefill
 chunk. The plugin engine starts (the start-up check is relaxed to one chunk + two blocks), serves
 the 8,000-token prompt with ``kv_prefill_evict`` holding at most ceil((budget + chunk) / bs) + 1
 blocks, serves a short stock request, and refuses with a 400-class error naming the field every
@@ -61,9 +62,10 @@ def runs(tokenizer, model_path):
         {"id": "stock-short", "prompt_token_ids": short_ids, "max_tokens": 16},
     ]  # fmt: skip
     spec = {"engine": {"model": str(model_path), **ENGINE}, "requests": requests}
+    cores = sorted(os.sched_getaffinity(0))
     with ThreadPoolExecutor(2) as pool:
-        plugin = pool.submit(_run, spec, False, os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
-        stock = pool.submit(_run, spec, True, "1")
+        plugin = pool.submit(_run, spec, False, str(cores[0]))
+        stock = pool.submit(_run, spec, True, str(cores[-1]))
         return plugin.result(), stock.result()
 
 

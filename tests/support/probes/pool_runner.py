@@ -17,6 +17,11 @@ import sys
 
 def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read the scheduler between steps
+    from obcache_vllm.cpu_binding import bind_in_process
+
+    # An in-process engine ignores VLLM_CPU_OMP_THREADS_BIND (obcache_vllm/cpu_binding.py):
+    # applied here, the caller's choice of core holds.
+    bind_in_process()
     from vllm import LLM, SamplingParams
     from vllm.exceptions import VLLMValidationError
 
