@@ -3,11 +3,12 @@
 Two fresh engines in subprocesses (pool_runner.py), the plugin's on the first of this
 process's cores and stock vLLM's on the last (one core each on two; both on a lane's one core
 when the suite runs in lanes, tests/support/lanes.py), same settings: 128 blocks of 32
-tokens, max_model_len 8192, 512 tokens per prefill chunk. The plugin engine starts (the start-up check is relaxed to one chunk + two blocks), serves
-the 8,000-token prompt with ``kv_prefill_evict`` holding at most ceil((budget + chunk) / bs) + 1
-blocks, serves a short stock request, and refuses with a 400-class error naming the field every
-request that could never fit: a stock 8K prompt (``max_tokens``), a budgeted one without
-``kv_prefill_evict`` (``kv_prefill_evict``).
+tokens, max_model_len 8192, 512 tokens per prefill chunk. The plugin engine starts (the
+start-up check is relaxed to one chunk + two blocks), serves the 8,000-token prompt with
+``kv_prefill_evict`` holding at most ceil((budget + chunk) / bs) + 1 blocks, serves a short
+stock request, and refuses with a 400-class error naming the field every request that could
+never fit: a stock 8K prompt (``max_tokens``), a budgeted one without ``kv_prefill_evict``
+(``kv_prefill_evict``).
 """
 
 from __future__ import annotations
