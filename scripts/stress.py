@@ -72,6 +72,12 @@ def main() -> int:
     if os.environ.get("OBCACHE_STRESS_CASES"):  # "a:b": replay cases a..b-1
         first, last = (int(x) for x in os.environ["OBCACHE_STRESS_CASES"].split(":"))
 
+    from obcache_vllm.cpu_binding import bind_in_process
+
+    # An in-process engine ignores VLLM_CPU_OMP_THREADS_BIND (obcache_vllm/cpu_binding.py):
+    # applied here, so the report's "engine on one core" is what ran.
+    bind_in_process()
+
     from support.engine import ENGINE_KWARGS, POOL_BLOCKS, Internals
     from support.stress import Stress, draw_case, replay
     from transformers import AutoTokenizer
