@@ -16,7 +16,7 @@ Arms: ``stock``; ``pressure`` (``kv_budget`` 0.25, ``kv_when: pressure``); ``alw
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_pressure.py               # ~30 min on one core
+    .venv/bin/python benchmarks/bench_pressure.py               # ~11 min on one core
     .venv/bin/python benchmarks/bench_pressure.py --quick
 
 Outputs (``--out``, default results/bench-pressure): ``pressure.json``, ``pressure.md``,

@@ -354,7 +354,6 @@ UNTRACED = {  # (page, figure): how many times it may appear without a source, a
     ("docs/evidence/prefix_caching.md", "34x"): (1, "before the work; no file kept, it says"),
     ("docs/evidence/prefix_caching.md", "0.64"): (1, "a run the page says was kept outside"),
     ("docs/evidence/pressure.md", "0.25"): (2, "a budget the arms use"),
-    ("docs/evidence/pressure.md", "0.98"): (1, "a target"),
     ("docs/evidence/sessions.md", "0.05"): (1, "the sampling error's size, a reading guide"),
     ("docs/evidence/sessions.md", "1.5x"): (1, "a target"),
     ("docs/evidence/sessions.md", "0.25"): (1, "a budget the arms use"),
