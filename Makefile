@@ -7,7 +7,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
-	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet stress fidelity fidelity-2k fidelity-chats fidelity-topk \
+	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
 	lm-eval error-target adakv local-error head-layout
 
 setup:
@@ -44,6 +44,16 @@ FUZZ_EXAMPLES ?= 3000
 fuzz: setup
 	OBCACHE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) OBCACHE_FUZZ_RANDOM=1 OBCACHE_FUZZ_REPORT=results/fuzz.json \
 		$(PY) -m pytest tests/server/test_fuzz.py -s --timeout=0 $(PYTEST_ARGS)
+
+## The scheduler harness's long run: SIM_CASES seeded sequences of every feature (at most
+## SIM_MINUTES), each step checked for safety, agreement and liveness, one in five paired with
+## vLLM's own scheduler; report in results/sim (exits non-zero on any violation, printing it
+## shrunk). The suite runs 1,500 of them (tests/vllm/test_scheduler_sim.py)
+SIM_CASES ?= 100000
+SIM_MINUTES ?= 60
+SIM_SEED ?= 1
+sim: setup
+	$(PY) scripts/sim.py --cases $(SIM_CASES) --minutes $(SIM_MINUTES) --seed $(SIM_SEED) --out results/sim
 
 ## The long concurrent stress of KV reuse (the suite runs 10 cases): STRESS_CASES seeded cases,
 ## at most STRESS_MINUTES; report in results/stress (exits non-zero on any problem)
