@@ -668,7 +668,9 @@ class _RequestMethods:
                 continued = dataclasses.replace(self, compress_at=None, session=True)
                 return continued.resolve(num_prompt_tokens, max_model_len)
             at = auto_point
-            if at is not None and (at >= num_prompt_tokens or not self._room_at(at)):
+            if at is not None and (
+                at >= num_prompt_tokens or not self._room_at(at) or not _continues(self.pipeline)
+            ):  # a point is worth compressing at only where the cache becomes an entry
                 at = None
             if at is None and self.joins_session():
                 # Compressed whole, as a tentative session: it may be a chat's first turn.
@@ -724,12 +726,15 @@ class _RequestMethods:
         """Whether a vLLM ``session_id`` on this request makes it a ``kv_session`` request:
         where its options allow a session (no position of its own in ``kv_compress_at``, no
         ``kv_prefill_evict``, ``kv_when: always``, a pipeline whose state fits in the cache).
-        Elsewhere the id is vLLM's alone (routing, KV events) and the options stand."""
+        Elsewhere the id is vLLM's alone (routing, KV events) and the options stand: an
+        error target among them (a session's turn would estimate its error on a cache that
+        earlier turns compressed already, as an explicit ``kv_session`` is refused for)."""
         return (
             not self.session
             and self.compress_at in (None, AUTO)
             and not self.prefill_evict
             and self.when == "always"
+            and not isinstance(self.budget, ErrorTarget)
             and _continues(self.pipeline)
         )
 

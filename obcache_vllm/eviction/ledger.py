@@ -13,9 +13,11 @@ A request's blocks, by logical block index (``bs`` tokens each; see
     prefix     may be shared with other requests (cache hits)     | must be this request's
     cache      may be registered (stock KV, addressable by tokens)| never registered
 
-``write_floor = max(0, (C - budget) // bs)`` for the compress point ``C``: every order of the
-request has ``dead_after >= write_floor`` (orders run at ``L >= C`` tokens and keep
-``L - dead_after*bs >= budget``), so compaction writes only blocks at or above it. Blocks
+``write_floor = max(1, (C - budget) // bs)`` for the compress point ``C``: every order of the
+request has ``dead_after >= write_floor`` (orders run at ``L >= C`` tokens, keep
+``L - dead_after*bs >= budget`` and free at least one block), so compaction writes only
+blocks at or above it; a request that never compacts (no ``kv_decode``, no pressure, and no
+whole block over its budget at ``C``) writes none. Blocks
 below it are never rewritten: they may come from the prefix cache, and the ones the request
 computes itself hold exactly stock KV, so they may be registered. ``kv_prefill_evict`` orders
 run before ``C`` and write lower: such requests neither read nor feed the cache.
@@ -49,6 +51,8 @@ from obcache_vllm.options import KvOptions
 
 # Finished records kept for readers (tests, the stats path drains its own copy).
 FINISHED_KEPT = 4096
+# The write floor of a request no order ever writes (a block index beyond any request's).
+NEVER_WRITTEN = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -122,18 +126,41 @@ class RequestBlocks:
         return self.options.compress_point(self.prompt_len)
 
     @property
+    def may_compact(self) -> bool:
+        """Whether any order can ever write this request's blocks: at its compress point when
+        a whole block can go there, later with ``kv_decode`` or under pressure, after every
+        prefill chunk, or for an error target (its floor may be low)."""
+        o = self.options
+        return (
+            o.decode
+            or o.when == "pressure"
+            or self.prefill_evicts
+            or o.max_error is not None
+            or self.point - o.budget >= self.block_size
+        )
+
+    @property
     def write_floor(self) -> int:
-        """The lowest block index any compaction of this request may write (an error target
-        may keep its whole prompt, so it may write from its first block: it reads the prefix
-        cache by copying and feeds it only through preserved copies)."""
+        """The lowest block index any compaction of this request may write.
+
+        An error target may keep its whole prompt, so it may write from its first block (it
+        reads the prefix cache by copying and feeds it only through preserved copies), as
+        a ``kv_prefill_evict`` request does. Any other order frees at least one block
+        (:func:`~obcache_vllm.eviction.planning.plan_eviction`), so it never writes block 0,
+        and none runs before the compress point: the floor is
+        ``max(1, (C - budget) // bs)``; a request that never compacts writes nothing
+        (:data:`NEVER_WRITTEN`: everything it computes is stock KV).
+        """
         if self.prefill_evicts or self.options.max_error is not None:
             return 0
-        return max(0, (self.point - self.options.budget) // self.block_size)
+        if not self.may_compact:
+            return NEVER_WRITTEN
+        return max(1, (self.point - self.options.budget) // self.block_size)
 
     @property
     def reads_cache(self) -> bool:
         """Whether an exact prefix-cache hit exists for its pipeline at all."""
-        return self.may_read and self.options.query_window >= 0 and not self.options.prefill_evict
+        return self.may_read and self.options.query_window >= 0 and not self.prefill_evicts
 
     @property
     def entry_kind(self) -> str | None:
@@ -175,13 +202,18 @@ class RequestBlocks:
         """
         if not self.reads_cache or self.past_point:
             return 0
+        if self.on_pressure:  # as stock vLLM: it compresses only if the pool runs short
+            return hit_tokens
         limit = self.point - max(1, self.options.query_window)
         return max(0, min(hit_tokens, limit)) // self.block_size * self.block_size
 
     def copy_on_write(self, num_hit_blocks: int) -> range:
         """Indices of the full hit blocks the request must copy before it can write them (a
         request past its compress point without ``kv_decode`` never compacts again)."""
-        if self.past_point and not self.options.decode:
+        if self.past_point and not self.options.decode or self.on_pressure:
+            # kv_when "pressure" admitted as stock: it copies nothing as stock copies nothing;
+            # a compression under pressure writes only blocks no other request holds (the
+            # planner checks), after dropping their hashes (PrefixAdapter.release_for_pressure)
             return range(0)
         return range(min(self.write_floor, num_hit_blocks), num_hit_blocks)
 
@@ -193,10 +225,21 @@ class RequestBlocks:
         return not compressed and not self.prefill_evicts
 
     def registrable(self, num_tokens: int) -> int:
-        """How many of its first ``num_tokens`` computed tokens may enter the prefix cache."""
+        """How many of its first ``num_tokens`` computed tokens may enter the prefix cache.
+
+        Before its compress point, at most the point: vLLM registers a step's blocks while
+        allocating them, before the scheduler cuts the chunk at the point (:meth:`cut_at`),
+        and a block registered but not computed would be a hit on KV no one wrote. A
+        ``kv_when: pressure`` request not compressed yet holds stock KV: all of it, as stock
+        vLLM registers it."""
         if not self.stock_kv:
             return 0
-        return min(num_tokens, self.write_floor * self.block_size)
+        if self.on_pressure:
+            return num_tokens
+        limit = self.write_floor * self.block_size
+        if not self.past_point:
+            limit = min(limit, self.point)
+        return min(num_tokens, limit)
 
     def preservable(self, order: EvictionOrder) -> range:
         """Block indices whose stock KV the compress-point ``order`` overwrites and that the
@@ -239,16 +282,21 @@ class RequestBlocks:
             order = dataclasses.replace(order, max_error=self.options.max_error)
         return order
 
-    def pressure_gain(self, logical_len: int) -> int:
-        """Blocks a compression to its budget would free in a step ending at ``logical_len``
-        (0 before its prompt is complete: a compaction there would write below its write
-        floor, into blocks it registered in the prefix cache)."""
+    def pressure_order(self, logical_len: int) -> EvictionOrder | None:
+        """The order a compression to its budget would give in a step ending at
+        ``logical_len``, changing nothing (None before its prompt is complete: its queries at
+        the compress point are not all computed yet)."""
         if self.options.when != "pressure" or self.disabled is not None:
-            return 0
+            return None
         if self.prefill_evicts or logical_len < self.point:
-            return 0
-        order = plan_eviction(logical_len=logical_len, budget=self.options.budget,
-                              dead_blocks=self.dead, block_size=self.block_size)  # fmt: skip
+            return None
+        return plan_eviction(logical_len=logical_len, budget=self.options.budget,
+                             dead_blocks=self.dead, block_size=self.block_size)  # fmt: skip
+
+    def pressure_gain(self, logical_len: int) -> int:
+        """Blocks a compression under pressure would free in a step ending at
+        ``logical_len`` (see :meth:`pressure_order`)."""
+        order = self.pressure_order(logical_len)
         return 0 if order is None else order.blocks_freed
 
     def compress_under_pressure(self, logical_len: int, reason: str) -> EvictionOrder | None:
@@ -261,8 +309,15 @@ class RequestBlocks:
         return None if order is None else dataclasses.replace(order, pressure=True)
 
     def admit_under_pressure(self) -> None:
-        """Its whole prompt does not fit but its bounded peak does: evict while prefilling."""
+        """Its whole prompt does not fit but its bounded peak may: evict while prefilling
+        (tried; :meth:`withdraw_pressure_admission` if it is not admitted so)."""
         self.pressure, self.pressure_at = "admission", 0
+
+    def withdraw_pressure_admission(self) -> None:
+        """The admission under pressure did not happen: as stock again until the pool is
+        short (a later step tries the stock allocation first, as for any request)."""
+        if self.pressure == "admission":
+            self.pressure = self.pressure_at = None
 
     def compressed_at_point(self, order: EvictionOrder | None) -> bool:
         """Whether ``order`` is the request's eviction at its compress point (the one that
@@ -328,6 +383,7 @@ class RequestBlocks:
             budget=None if self.options.max_error is not None else self.options.budget,
             decode=self.options.decode,
             prefill_evict=self.prefill_evicts or self.options.when == "pressure",
+            point=self.point,
         )
 
     def resident(self, num_computed_tokens: int) -> int:

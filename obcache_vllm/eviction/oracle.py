@@ -16,6 +16,11 @@ run together; the oracle reads the cache tensors back and compares:
   destination of another copy in the same batch (``"copy_chained"``), or a block the step's
   forward pass writes (``"copy_in_flight"``); see :mod:`obcache_vllm.eviction.copies`.
 
+Every entry is fingerprinted when it is made, a session's as a copy's (its blocks are the
+donor's own: they are compared when adopted). A check with no fingerprint to compare with
+(``"fingerprint_missing"``) is a mismatch, never a pass: an oracle that cannot look has not
+seen the KV agree.
+
 A mismatch is a :class:`KvMismatch` naming both requests; the scheduler counts it as a fault
 (stage ``verify``, ``vllm:obcache_eviction_failures_total``) and logs it. The oracle does not
 stop the request: it is a witness, not a repair.
@@ -157,8 +162,11 @@ class KvOracle:
                                   f"{len(pairs)} block copies read blocks whose KV is not "
                                   f"written yet ({', '.join(pairs[:4])})"))  # fmt: skip
         for entry in note.entries:
+            if entry.block_ids == entry.source_ids:  # a session entry: the donor's own blocks
+                continue
             left = self._left.get(entry.entry_id)
-            if left is None or entry.block_ids == entry.source_ids:
+            if left is None:  # nothing to compare with is a failed check, never a pass
+                bad.append(_missing(f"entry {entry.entry_id}", entry.donor, entry.entry_id))
                 continue
             self.checks += 1
             got = self.region(read, entry.block_ids, entry.dead, entry.tokens)
@@ -169,7 +177,13 @@ class KvOracle:
         for req_id, adopt in note.adopted:
             left = self._left.get(adopt.entry_id)
             table = tables.get(req_id)
-            if left is None or table is None:
+            if left is None:
+                bad.append(_missing(req_id, adopt.donor, adopt.entry_id))
+                continue
+            self._left.move_to_end(adopt.entry_id)  # kept while it is adopted
+            if table is None:
+                bad.append(KvMismatch("adopted", req_id, adopt.donor,
+                                      "the adopter has no block table in the worker"))  # fmt: skip
                 continue
             self.checks += 1
             got = self.region(read, table[adopt.dead :], adopt.dead, adopt.tokens)
@@ -179,6 +193,12 @@ class KvOracle:
                                       f"starts from KV that differs from what its donor left "
                                       f"(entry {adopt.entry_id}) at {where}"))  # fmt: skip
         return bad
+
+
+def _missing(req_id: str, donor: str, entry_id: int) -> KvMismatch:
+    return KvMismatch("fingerprint_missing", req_id, donor,
+                      f"no fingerprint of what the donor left in entry {entry_id}: the check "
+                      "could not run")  # fmt: skip
 
 
 def _first_difference(left, got) -> str | None:

@@ -59,27 +59,34 @@ def peak_blocks(
     budget: int | None = None,
     decode: bool = False,
     prefill_evict: bool = False,
+    point: int | None = None,
 ) -> int:
     """The most KV blocks a request can hold at once, over its whole life (worst case).
 
     The KV of ``prompt_len + max_tokens - 1`` tokens is computed at most (the last token's is
     never needed). ``budget=None``: a stock request, all of it. With a budget, the prompt is
-    held whole until the prefill eviction, unless ``prefill_evict``: then a prefill step holds
-    the kept tokens (< budget + bs) plus one chunk of at most ``chunk`` tokens. After the
-    prompt, the kept tokens (< budget + bs) grow by the generated ones, or stay under
-    budget + bs (+ one block of alignment) with ``decode``.
+    held whole until the eviction at its compress point ``point`` (default: the prompt's
+    end), unless ``prefill_evict``: then a prefill step before the point holds the kept
+    tokens (< budget + bs) plus one chunk of at most ``chunk`` tokens. The prompt's tail
+    after the point is computed on the compressed cache and kept whole (no order runs
+    during it): the prompt ends with ``kept + tail`` tokens. After the prompt these grow by
+    the generated ones, or, with ``decode``, fall back under budget + bs (+ one block of
+    alignment) at the first decode step.
     """
     bs = block_size
     total = prompt_len + max(max_tokens, 1) - 1
-    if budget is None or budget >= prompt_len and not decode:
+    point = prompt_len if point is None else point
+    if budget is None or budget >= point and not decode:
         return _cdiv(total, bs)
+    kept = min(point, budget + bs - 1) + prompt_len - point  # resident when the prompt ends
     prompt_blocks = _cdiv(prompt_len, bs)
     if prefill_evict:
-        prompt_blocks = min(prompt_blocks, _cdiv(budget + bs - 1 + chunk, bs))
-    kept = min(prompt_len, budget + bs - 1)
+        before = min(_cdiv(point, bs), _cdiv(budget + bs - 1 + chunk, bs))
+        prompt_blocks = max(before, _cdiv(kept, bs))
     generated = max(max_tokens, 1) - 1
     if decode:
-        after = min(_cdiv(kept + generated, bs), _cdiv(budget + bs, bs) + 1)
+        bounded = max(_cdiv(budget + bs, bs) + 1, _cdiv(kept + 1, bs))
+        after = min(_cdiv(kept + generated, bs), bounded)
     else:
         after = _cdiv(kept + generated, bs)
     return max(prompt_blocks, after)

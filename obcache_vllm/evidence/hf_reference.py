@@ -341,6 +341,11 @@ class Evicting:
     history: list[dict[int, Tensor]]
     token_ids: list[int]
     logits: Tensor
+    # The cache when it ended (its prompt and every token but the last, as vLLM leaves a
+    # finished request's cache): what a session's next turn continues (``start=``).
+    layers: list = ()
+    dead: int = 0
+    length: int = 0
 
 
 @torch.inference_mode()
@@ -352,8 +357,15 @@ def run_evicting(
     max_new_tokens: int = 16,
     prefill_ends: Collection[int] = (),
     eos_token_ids: Collection[int] = (),
+    start: Evicting | None = None,
 ) -> Evicting:
     """The worker's eviction step by step: prefill segments, compress point, decode steps.
+
+    ``start``: a previous run whose final cache this one continues, as a ``kv_session`` turn
+    continues the cache its last turn left: ``input_ids`` begins with that run's first
+    ``start.length`` tokens; only the rest is computed, at its true positions, on the
+    previous run's kept entries and dead blocks (the window queries are this run's own, as
+    the adopting request's worker has only those).
 
     The prompt is computed in segments ending at each of ``prefill_ends`` (the prefill chunks
     that ended where the engine evicted with ``kv_prefill_evict``: where vLLM cuts a prompt
@@ -382,10 +394,15 @@ def run_evicting(
     geom = _geometry(model)
     modules = _attention_modules(model)
     window = pipeline.window  # None: every prompt query (h2o)
-    ends = sorted({e for e in prefill_ends if 0 < e < point} | {point, length})
     layers: list[_Layer] = []
     captured: dict[int, Tensor] = {}
     dead, past_point = 0, False
+    begin = 0
+    if start is not None:
+        layers = [_Layer(lay.keys.clone(), lay.values.clone(), lay.positions.clone())
+                  for lay in start.layers]  # fmt: skip
+        dead, begin = start.dead, start.length
+    ends = sorted({e for e in prefill_ends if begin < e < point} | {point, length})
     orders: list[tuple[int, bool]] = []
     history: list[dict[int, Tensor]] = []
     kept: dict[int, Tensor] = {}
@@ -488,14 +505,14 @@ def run_evicting(
             history.append(new_kept)
             kept = new_kept
 
-    start = 0
+    at = begin
     logits = None
     for end in ends:
-        if end <= start:
+        if end <= at:
             continue
-        logits = forward(ids[start:end], start)
-        evict_or_score(end, prefill=True, q_count=end - start)
-        start = end
+        logits = forward(ids[at:end], at)
+        evict_or_score(end, prefill=True, q_count=end - at)
+        at = end
     tokens: list[int] = []
     rows: list[Tensor] = []
     stop = set(eos_token_ids)
@@ -510,4 +527,5 @@ def run_evicting(
         position += 1
         evict_or_score(position, prefill=False, q_count=1)
     return Evicting(kept=kept, orders=orders, history=history, token_ids=tokens,
-                    logits=torch.stack(rows))  # fmt: skip
+                    logits=torch.stack(rows), layers=layers, dead=dead,
+                    length=position)  # fmt: skip

@@ -99,6 +99,26 @@ def test_oracle_passes_faithful_reuse_and_names_both_requests_otherwise():
     assert "layer 1, KV head 1" in adopt_bad.detail
 
 
+def test_a_check_with_no_fingerprint_is_a_mismatch_not_a_pass():
+    """An adopter of an entry the oracle never fingerprinted (or a copy whose donor it never
+    read) used to be skipped: the check could not run and counted as agreement."""
+    cache = _Cache()
+    oracle = KvOracle(num_layers=2, block_size=4)
+    entry = EntryNote(entry_id=7, donor="d", tokens=8, dead=0, source_ids=(5, 6),
+                      block_ids=(8, 9))  # fmt: skip
+    note = VerifyNote(entries=(entry,), adopted=(("a", AdoptNote(7, "d", 8, 0)),))
+    bad = oracle.after_copies(cache.read, note, {"a": [8, 9]}, [], {}, {})
+    assert [(m.reason, m.req_id) for m in bad] == [
+        ("fingerprint_missing", "entry 7"), ("fingerprint_missing", "a")]  # fmt: skip
+    # A session entry is its donor's own blocks: fingerprinted when made, compared when adopted
+    session = EntryNote(entry_id=8, donor="s", tokens=8, dead=0, source_ids=(5, 6),
+                        block_ids=(5, 6))  # fmt: skip
+    oracle.before_copies(cache.read, VerifyNote(entries=(session,)))
+    note = VerifyNote(entries=(session,), adopted=(("b", AdoptNote(8, "s", 8, 0)),))
+    assert oracle.after_copies(cache.read, note, {"b": [5, 6]}, [], {}, {}) == []
+    assert oracle.checks == 1
+
+
 def test_oracle_reports_one_mismatch_per_pair_of_requests_for_copies():
     oracle = KvOracle(num_layers=1, block_size=4)
     copies = [Copy(1, 4), Copy(2, 5), Copy(3, 6)]

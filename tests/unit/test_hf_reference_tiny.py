@@ -378,3 +378,31 @@ def test_a_registered_pipeline_runs_in_the_reference(model):
         torch.testing.assert_close(result.logits, full[71:], rtol=1e-4, atol=1e-4)
     finally:
         unregister_pipeline("last_three_ref")
+
+
+def test_a_session_turn_continues_the_previous_runs_cache(model):
+    """``run_evicting(start=...)``: a turn continues the cache the last one left (its prompt
+    and output but the last token), at true positions. Without eviction that is one stock
+    pass over the whole conversation; with eviction the next turn's cache starts from the
+    last one's kept entries and dead blocks."""
+    first = _prompt(40, seed=11)
+    opts = dataclasses.replace(_opts(500), session=True)
+    turn1 = ref.run_evicting(model, first, opts, block_size=BLOCK, max_new_tokens=6)
+    assert turn1.orders == [] and turn1.length == 40 + 6 - 1
+    second = torch.cat([first, torch.tensor(turn1.token_ids), _prompt(9, seed=12)])
+    turn2 = ref.run_evicting(model, second, opts, block_size=BLOCK, max_new_tokens=6,
+                             start=turn1)  # fmt: skip
+    whole = ref.run_evicting(model, second, opts, block_size=BLOCK, max_new_tokens=6)
+    assert turn2.token_ids == whole.token_ids
+    torch.testing.assert_close(turn2.logits, whole.logits, rtol=1e-4, atol=1e-4)
+
+    small = dataclasses.replace(_opts(20), session=True)
+    turn1 = ref.run_evicting(model, first, small, block_size=BLOCK, max_new_tokens=6)
+    assert turn1.dead == (40 - 20) // BLOCK
+    second = torch.cat([first, torch.tensor(turn1.token_ids), _prompt(9, seed=12)])
+    turn2 = ref.run_evicting(model, second, small, block_size=BLOCK, max_new_tokens=6,
+                             start=turn1)  # fmt: skip
+    assert turn2.orders == [(len(second), True)]  # the turn's own eviction at its prompt end
+    kept = turn2.kept[0]  # true positions kept in layer 0: the turn's suffix, and turn 1's
+    first_kept = set(turn1.layers[0].positions[0].tolist())
+    assert set(kept[0].tolist()) <= first_kept | set(range(turn1.length, len(second)))

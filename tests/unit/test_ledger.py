@@ -106,3 +106,47 @@ def test_adopting_a_compressed_entry_inherits_its_dead_blocks():
     blocks.adopt(CacheStart("compress_at", 600, dead=10))
     assert blocks.dead == 10 and blocks.past_point and blocks.cut_at() is None
     assert blocks.can_compact(1000, is_prefill_chunk=False) is None  # no decode eviction asked
+
+
+# -- found by the scheduler harness (tests/vllm/test_scheduler_sim.py) --------------------------
+def test_no_order_writes_block_zero_so_the_floor_is_at_least_one():
+    _, blocks = _open(prompt_len=300, kv_decode=True)  # budget 256: (300 - 256) // 32 == 1
+    assert blocks.write_floor == 1
+    _, over = _open(prompt_len=260, kv_decode=True)  # (260 - 256) // 32 == 0, yet every order
+    assert over.write_floor == 1  # frees a block: block 0 is never written
+    order = over.can_compact(300, is_prefill_chunk=False)
+    assert order is not None and order.dead_after >= 1
+
+
+def test_a_request_that_never_compacts_copies_nothing_and_registers_all():
+    """A budget at or above the prompt without kv_decode or pressure: no order ever runs, so
+    a prefix hit is shared as stock shares it (copies of it once made such a request too big
+    for the pool: a stall) and everything it computes is stock KV."""
+    _, blocks = _open(prompt_len=240)  # budget 256
+    assert not blocks.may_compact
+    assert list(blocks.copy_on_write(7)) == []
+    assert blocks.can_compact(240, is_prefill_chunk=False) is None
+    assert blocks.registrable(240 + 50) == 290
+    _, at_k = _open(prompt_len=1000, kv_compress_at=200)  # 200 - 256 < 0: no order at k
+    assert not at_k.may_compact
+    assert at_k.registrable(990) == 200  # before its point: the chunk is cut there
+    at_k.can_compact(200, is_prefill_chunk=True)  # the step that reaches the point
+    assert at_k.past_point and at_k.registrable(990) == 990
+
+
+def test_a_pressure_request_is_stock_until_compressed():
+    _, blocks = _open(kv_pipeline="tova", kv_when="pressure")
+    assert blocks.exact_hit(960) == 960  # the whole hit, as stock takes it
+    assert list(blocks.copy_on_write(30)) == []  # nothing copied, as stock copies nothing
+    assert blocks.registrable(1000) == 1000  # every block, as stock registers them
+    order = blocks.compress_under_pressure(1000, "running")
+    assert order is not None and order.pressure
+    assert blocks.registrable(1000) == blocks.write_floor * BS  # compressed: kv_when always
+
+
+def test_an_admission_under_pressure_that_fails_is_withdrawn():
+    _, blocks = _open(kv_pipeline="tova", kv_when="pressure")
+    blocks.admit_under_pressure()
+    assert blocks.prefill_evicts and not blocks.on_pressure and not blocks.reads_cache
+    blocks.withdraw_pressure_admission()
+    assert blocks.on_pressure and blocks.pressure is None and blocks.reads_cache

@@ -140,3 +140,16 @@ def test_adakv_is_refused_where_per_head_memory_is_not_built():
     assert "tensor parallelism" in _heads_memory_reason(config(tp=2), ada)
     assert "FlashAttention" in _heads_memory_reason(config(device="cuda"), ada)
     assert _heads_memory_reason(config(tp=2, device="cuda"), snap) is None
+
+
+def test_a_session_id_never_joins_an_error_target_to_a_session():
+    """Found by the scheduler harness: vLLM's ``session_id`` made an error target a session
+    (an explicit ``kv_session`` is refused with it): its turns would have estimated their
+    error on a cache earlier turns compressed already."""
+    from obcache_vllm.options import parse_request
+
+    target = parse_request({"kv_budget": {"max_error": 0.01}})
+    assert not target.joins_session()
+    resolved = target.resolve(500, session_id="s1")
+    assert not resolved.session and resolved.max_error == 0.01
+    assert parse_request({"kv_budget": 64}).resolve(500, session_id="s1").session

@@ -133,3 +133,18 @@ def test_plan_keeps_budget_to_budget_plus_block(logical_len, budget, dead):
     assert budget <= order.kept < budget + bs
     assert order.kept == logical_len - order.dead_after * bs
     assert order.tokens_evicted == resident - order.kept == order.blocks_freed * bs
+
+
+def test_peak_counts_the_prompt_after_the_compress_point_kept_whole():
+    """Found by the scheduler harness: with kv_prefill_evict and kv_compress_at, the prompt
+    after the point is computed on the compressed cache with no order running, so it is held
+    whole; the peak counted only the bounded chunks, admitted a request that could never
+    fit the pool, and it waited forever."""
+    from obcache_vllm.eviction.planning import peak_blocks
+
+    common = dict(prompt_len=204, max_tokens=1, block_size=8, chunk=48, budget=71,
+                  prefill_evict=True)  # fmt: skip
+    assert peak_blocks(**common) == math.ceil((71 + 7 + 48) / 8)  # the bounded chunks
+    # 78 kept at the point, then 118 more tokens: 196 tokens resident when the prompt ends
+    assert peak_blocks(**common, point=86) == math.ceil((71 + 7 + 204 - 86) / 8)
+    assert peak_blocks(**common, point=204) == peak_blocks(**common)

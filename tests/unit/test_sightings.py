@@ -163,7 +163,21 @@ def test_a_continuation_is_served_as_a_session_where_the_pipeline_allows() -> No
     h2o = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
                                  "kv_pipeline": "h2o"})  # fmt: skip
     at = h2o.resolve(1000, auto_point=800, auto_session=True)  # its sums cannot travel
-    assert (at.session, at.compress_at) == (False, 800)
+    # ...and its cache never becomes an entry, so a shared point is no use: the whole prompt
+    assert (at.session, at.compress_at) == (False, None)
+
+
+@pytest.mark.parametrize("pipeline", ["h2o", "adakv"])
+def test_auto_compresses_whole_prompts_for_pipelines_without_entries(pipeline) -> None:
+    """A compress point pays only when the compressed prefix becomes an entry others adopt;
+    h2o (running sums) and adakv (per-head memory) never leave one (found by the scheduler
+    harness: they were compressed query-agnostically for nothing)."""
+    request = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
+                                     "kv_pipeline": pipeline})  # fmt: skip
+    resolved = request.resolve(1000, auto_point=800)
+    assert (resolved.compress_at, resolved.session, resolved.budget) == (None, False, 250)
+    snapkv = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
+    assert snapkv.resolve(1000, auto_point=800).compress_at == 800
 
 
 @pytest.mark.parametrize(

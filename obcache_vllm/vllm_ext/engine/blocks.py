@@ -9,9 +9,9 @@ each decided by the request's :class:`~obcache_vllm.eviction.ledger.RequestBlock
   are swapped for private copies before the worker ever sees them (vLLM's own
   ``SingleTypeKVCacheManager._apply_cow``: the copy runs before the step's forward pass);
 * admission: a ``kv_prefill_evict`` request is admitted by its bounded peak, not its whole
-  prompt (vLLM's ``full_sequence_must_fit`` gate of ``KVCacheManager.allocate_slots``); a
-  ``kv_when: pressure`` request as stock vLLM would admit it, else by its bounded peak, and
-  then compressed while prefilled;
+  prompt (vLLM's ``full_sequence_must_fit`` gate of ``KVCacheManager.allocate_slots``), after
+  held entries gave way as they do for any request; a ``kv_when: pressure`` request as stock
+  vLLM would admit it, else by its bounded peak, and then compressed while prefilled;
 * freeing: dead head blocks go back to the pool as vLLM's sliding window frees them
   (``SingleTypeKVCacheManager._remove_blocks_in_range``: null blocks in place, ref counts
   decremented, so a block another request shares stays with it);
@@ -110,27 +110,69 @@ class PoolAdapter:
 
     # -- admission ---------------------------------------------------------------------------
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
-        """``KVCacheManager.allocate_slots``; a waiting ``kv_prefill_evict`` request must fit
-        its bounded peak, not its whole prompt."""
+        """``KVCacheManager.allocate_slots``, for a budgeted request as the ledger admits it.
+
+        A waiting ``kv_prefill_evict`` request must fit its bounded peak, not its whole prompt
+        (:meth:`_fits_bounded`: held entries give way first, as they would for a stock
+        request); a waiting ``kv_when: pressure`` request is tried as stock first, and only
+        if that fails is it admitted compressed while prefilled, by the same rule. A switch
+        to admission under pressure that is not admitted is withdrawn: the request is stock
+        again at its next try. A waiting request that is not admitted keeps nothing of its
+        lookup (:meth:`~obcache_vllm.eviction.ledger.RequestBlocks.unadopt`: vLLM looks it
+        up again next time, and an abort before then reports a request that held nothing).
+        """
         blocks = self.ledger.get(request.request_id)
         if (
-            blocks is not None
-            and blocks.disabled is None
-            and kwargs.get("full_sequence_must_fit")
-            and (blocks.prefill_evicts or blocks.on_pressure)
+            blocks is None
+            or blocks.disabled is not None
+            or not kwargs.get("full_sequence_must_fit")
+            or not (blocks.prefill_evicts or blocks.on_pressure)
         ):
-            peak = blocks.peak_blocks(request.sampling_params.max_tokens or 1, self.chunk)
-            fits = peak - self.live_blocks(request.request_id) <= self.pool.get_num_free_blocks()
-            if blocks.on_pressure:  # as stock first; compressed while prefilled if only that fits
-                allocated = self._allocate(request, num_new_tokens, blocks, args, kwargs)
-                if allocated is not None or not fits:
-                    return allocated
-                blocks.admit_under_pressure()
+            allocated = self._allocate(request, num_new_tokens, blocks, args, kwargs)
+            return self._settle(request, blocks, allocated)
+        switched = False
+        if blocks.on_pressure:  # as stock first; compressed while prefilled if only that fits
+            allocated = self._allocate(request, num_new_tokens, blocks, args, kwargs)
+            if allocated is not None:
+                return allocated
+            blocks.admit_under_pressure()
+            switched = True
+        kwargs = {**kwargs, "full_sequence_must_fit": False}
+        allocated = None
+        if self._fits_bounded(request, blocks, kwargs):
+            allocated = self._allocate(request, num_new_tokens, blocks, args, kwargs)
+        if switched:
+            if allocated is None:
+                blocks.withdraw_pressure_admission()
+            else:
                 self.pressure_admissions += 1
-            elif not fits:
-                return None
-            kwargs["full_sequence_must_fit"] = False
-        return self._allocate(request, num_new_tokens, blocks, args, kwargs)
+        return self._settle(request, blocks, allocated)
+
+    def _settle(self, request, blocks, allocated):
+        if allocated is None and blocks is not None and not self.group.req_to_blocks.get(
+            request.request_id
+        ):
+            blocks.unadopt()  # not admitted: its lookup is void (see allocate_slots)
+        return allocated
+
+    def _fits_bounded(self, request, blocks, kwargs) -> bool:
+        """Whether a request admitted by its bounded peak fits now: the peak, plus the blocks
+        its prefix hit must copy, within the free blocks once held entries have given way
+        (:meth:`PrefixAdapter.reclaim`: every hold when nothing runs, else those above the
+        base share). Never when a copy would read a block this step's forward pass writes
+        (:attr:`in_flight`): the copy runs before it (stock allocation may still take such a
+        hit: it reads the block in the same forward pass, after the write)."""
+        copies = self._copies_needed(request, blocks, kwargs)
+        if copies and self.in_flight:
+            hit_blocks = kwargs["new_computed_blocks"].blocks[0]
+            if any(hit_blocks[i].block_id in self.in_flight for i in copies):
+                return False
+        peak = blocks.peak_blocks(request.sampling_params.max_tokens or 1, self.chunk)
+        need = peak + len(copies) - self.live_blocks(request.request_id)
+        while need > self.pool.get_num_free_blocks():
+            if self.reclaim is None or not self.reclaim(request):
+                return False
+        return True
 
     def _allocate(self, request, num_new_tokens, blocks, args, kwargs):
         """vLLM's allocation, with the copy-on-write the ledger asks for at admission."""
@@ -161,6 +203,21 @@ class PoolAdapter:
         return [i for i in blocks.copy_on_write(full) if not hit_blocks[i].is_null]
 
     # -- the request's blocks ----------------------------------------------------------------
+    def next_step_blocks(self, request) -> int:
+        """Blocks ``request`` allocates in its next step (as vLLM's allocate_slots counts):
+        its next chunk, or one more token."""
+        held = len(self.group.req_to_blocks.get(request.request_id, ()))
+        remaining = request.num_tokens - request.num_computed_tokens
+        chunk = min(max(remaining, 1), self.chunk)
+        bs = self.group.block_size
+        return max(0, -(-(request.num_computed_tokens + chunk) // bs) - held)
+
+    def sole_owner(self, req_id: str, first: int, last: int) -> bool:
+        """Whether blocks ``[first, last)`` of the request are held by it alone (a hash
+        allowed: :meth:`PrefixAdapter.release_for_pressure` drops it)."""
+        blocks = self.group.req_to_blocks.get(req_id, ())
+        return all(not b.is_null and b.ref_cnt == 1 for b in blocks[first:last])
+
     def live_blocks(self, req_id: str) -> int:
         """Blocks the request holds in the pool (null blocks excluded)."""
         return sum(1 for b in self.group.req_to_blocks.get(req_id, ()) if not b.is_null)

@@ -156,10 +156,11 @@ class PrefixAdapter:
             hit = self._adopt(request, blocks, kind)
             if hit is not None:
                 return hit
-        if not blocks.reads_cache:
+        if not blocks.reads_cache or self._only_admitted_compressed(request, blocks):
             return empty
         computed, num_local, boundary, diverged = ordinary()
         allowed = self._written(computed.blocks[GROUP], blocks, blocks.exact_hit(num_local))
+        allowed = self._affordable(request, blocks, allowed)
         if allowed < num_local:
             computed = self.manager.truncate_computed_blocks(computed, allowed)
             num_local = allowed
@@ -180,8 +181,39 @@ class PrefixAdapter:
                 return index * self.block_size
         return allowed
 
+    def _only_admitted_compressed(self, request, blocks: RequestBlocks) -> bool:
+        """A ``kv_when: pressure`` request whose whole sequence exceeds the pool is only ever
+        admitted compressed while prefilled, which writes from its first block: every block
+        of a hit would have to be copied, and the copies with its peak may never fit. It
+        computes its prompt itself, as a ``kv_prefill_evict`` request does."""
+        usable = self.pool.num_gpu_blocks - 1
+        return blocks.on_pressure and _cdiv(request.num_tokens, self.block_size) > usable
+
+    def _affordable(self, request, blocks: RequestBlocks, allowed: int) -> int:
+        """``allowed`` hit tokens, or only those below the write floor (no copies) when the
+        request's prompt plus the copies of its hit could not fit even an empty pool
+        (:meth:`_fits_empty_pool`; the stock request in its place always fits). An entry
+        is adopted under the same rule (:meth:`_adopt`)."""
+        bs = self.block_size
+        copies = len(blocks.copy_on_write(allowed // bs))
+        if not self._fits_empty_pool(request, 0, copies):
+            return min(allowed, blocks.write_floor * bs)
+        return allowed
+
+    def _fits_empty_pool(self, request, dead: int, copies: int) -> bool:
+        """Whether ``request``, starting with ``dead`` null head blocks and copying
+        ``copies`` blocks of its hit (each beside its shared original until the copy has
+        run), fits the whole pool: otherwise it could never be admitted."""
+        need = _cdiv(request.num_tokens, self.block_size) - dead + copies
+        return need <= self.pool.num_gpu_blocks - 1
+
     def admitted(self, blocks: RequestBlocks) -> None:
-        """The request was admitted (its allocation succeeded): count what its lookup found."""
+        """The request was admitted (its allocation succeeded): count what its lookup found;
+        an entry it adopted is now in use (the last held to be released, no longer
+        tentative). Nothing of this happens for a lookup whose request is not admitted."""
+        start = blocks.start
+        if start is not None and start.entry_id is not None:
+            self.held.used(start.entry_id)
         found, blocks.lookup = blocks.lookup, None
         if found is None:
             return
@@ -200,11 +232,16 @@ class PrefixAdapter:
             blocks.lookup = (kind, None)
             return None
         blocks.lookup = (kind, entry.tokens)
-        self.held.used(entry.entry_id)
         hit = [self.pool.null_block] * entry.dead + [self.pool.blocks[b] for b in entry.block_ids]
         blocks.adopt(CacheStart(kind, entry.tokens, entry.dead, depth=entry.depth,
                                 kept_prompt=entry.kept_prompt, entry_id=entry.entry_id,
                                 donor=entry.donor))  # fmt: skip
+        full = entry.tokens // self.block_size
+        copies = sum(1 for i in blocks.copy_on_write(full) if i >= entry.dead)
+        if not self._fits_empty_pool(request, entry.dead, copies):
+            blocks.unadopt()  # computed afresh: it always fits (the entry is no use here)
+            blocks.lookup = (kind, None)
+            return None
         computed = self.manager.create_kv_cache_blocks((hit,))
         return computed, entry.tokens, 0, False
 
@@ -242,6 +279,31 @@ class PrefixAdapter:
         pairs = tuple((i, b.block_id) for i, b in zip(indices, spare, strict=True))
         return dataclasses.replace(order, preserve=pairs)
 
+    def release_for_pressure(self, request, order):
+        """``order`` compresses a ``kv_when: pressure`` request that ran as stock vLLM: it
+        registered its blocks as stock does, so the ones the order writes (the planner chose
+        it only if it holds them alone) leave the prefix cache now, before their KV changes;
+        where the pool has the blocks, their stock KV is copied into spares that are
+        registered in their place after the step (:meth:`settle_preserved`), so the prefix
+        cache keeps what stock vLLM would. Returns the order, with its spares."""
+        if not self.enabled:
+            return order
+        bs = self.block_size
+        req_blocks = self.group.req_to_blocks[request.request_id]
+        full = min(order.logical_len // bs, len(req_blocks))
+        hashed = [i for i in range(order.write_from, full) if req_blocks[i].block_hash is not None]
+        if not hashed:
+            return order
+        self.pool.evict_blocks({req_blocks[i].block_id for i in hashed})
+        indices = range(hashed[0], full)
+        if len(indices) > self.pool.get_num_free_blocks() or len(
+            request.block_hashes
+        ) < full:  # the pool is short (that is why it compresses): they are simply dropped
+            return order
+        spare = self.pool.get_new_blocks(len(indices))
+        pairs = tuple((i, b.block_id) for i, b in zip(indices, spare, strict=True))
+        return dataclasses.replace(order, preserve=pairs)
+
     def settle_preserved(self, request, order, applied: bool) -> None:
         """Register the spare blocks of an applied order, then release them to the pool (as
         cached blocks); an order not applied only releases them."""
@@ -264,8 +326,9 @@ class PrefixAdapter:
         src = req_blocks[blocks.dead : _cdiv(tokens, self.block_size)]
         if not src or any(b.is_null for b in src):
             return None
-        if len(src) > self.pool.get_num_free_blocks():
-            return None  # the pool is short: no entry rather than taking a live request's room
+        running = sum(self.pool_adapter.next_step_blocks(r) for r in self.scheduler.running)
+        if len(src) + running > self.pool.get_num_free_blocks():
+            return None  # no entry rather than taking room a running request needs next
         dst = self.pool.get_new_blocks(len(src))
         entry_id = self.entries.new_id()
         hashes = []

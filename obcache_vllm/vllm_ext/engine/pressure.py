@@ -53,13 +53,6 @@ class PressurePlanner:
         self.pool = pool_adapter
         self.counts = PressureCounts()
 
-    def _next_need(self, request) -> int:
-        """Blocks ``request`` allocates in the next step (as vLLM's allocate_slots counts)."""
-        held = len(self.pool.group.req_to_blocks.get(request.request_id, ()))
-        remaining = request.num_tokens - request.num_computed_tokens
-        chunk = min(max(remaining, 1), self.pool.chunk)
-        return max(0, _cdiv(request.num_computed_tokens + chunk, self.pool.group.block_size) - held)
-
     def _waiting_need(self) -> int:
         """Blocks the first waiting request needs to be admitted (0: none waits): its whole
         sequence, or for a pressure-eligible one its bounded (compressed) peak."""
@@ -73,6 +66,18 @@ class PressurePlanner:
             return blocks.peak_blocks(max_tokens, self.pool.chunk)
         return _cdiv(request.num_tokens + 1, self.pool.group.block_size)
 
+    def _gain(self, req_id: str, blocks, logical_len: int) -> int:
+        """Blocks compressing ``req_id`` now would free; 0 where its order would write a block
+        another request also holds (a prefix hit it shares, or one shared with it: admitted
+        as stock, it took and left them as stock vLLM does)."""
+        order = blocks.pressure_order(logical_len)
+        if order is None:
+            return 0
+        last = _cdiv(order.logical_len, order.block_size)
+        if not self.pool.sole_owner(req_id, order.write_from, last):
+            return 0
+        return order.blocks_freed
+
     def plan(self, output, orders: dict[str, EvictionOrder]) -> dict[str, EvictionOrder]:
         """Pressure orders for this step (``orders``: the step's other orders)."""
         eligible = [
@@ -84,7 +89,7 @@ class PressurePlanner:
         if not eligible:
             return {}
         running = [r for r in self.scheduler.running if r.request_id in output.num_scheduled_tokens]
-        need_running = sum(self._next_need(r) for r in running)
+        need_running = sum(self.pool.next_step_blocks(r) for r in running)
         # An error target's order frees at most blocks_freed: counted as none (it may keep all).
         freed = sum(o.blocks_freed for o in orders.values() if o.max_error is None)
         free = self.pool.pool.get_num_free_blocks() + freed
@@ -101,7 +106,7 @@ class PressurePlanner:
             return {}
         requests = self.scheduler.requests
         gains = sorted(
-            ((blocks.pressure_gain(requests[req_id].num_computed_tokens), req_id, blocks)
+            ((self._gain(req_id, blocks, requests[req_id].num_computed_tokens), req_id, blocks)
              for req_id, blocks in eligible),
             key=lambda item: -item[0],
         )  # fmt: skip

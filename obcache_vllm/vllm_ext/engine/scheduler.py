@@ -6,7 +6,8 @@
 * ``add_request``: decode the admitted options (:func:`~obcache_vllm.options.
   admitted_options`) and open the request's record in the
   :class:`~obcache_vllm.eviction.ledger.BlockLedger`. A request with kv_* fields but no
-  usable wire form is a counted fault: finished with an error before it runs.
+  usable wire form, or a budgeted streaming-input (``resumable``) one, which admission
+  refuses, is a counted fault: finished with an error before it runs.
 * ``_get_local_prefix_cache_hit``: the exact part of vLLM's prefix hit, or a compressed entry
   to adopt (:mod:`.prefix`); the worker learns an adopted request's dead blocks from the
   step's ``obcache_starts``.
@@ -119,6 +120,13 @@ class OBCacheScheduler(Scheduler):
                 log_fault(request.request_id, "admission", "wire", str(exc),
                           "finished with an error before it ran")  # fmt: skip
                 self._obcache_refused.append(request.request_id)
+            if options is not None and request.resumable:  # admission refuses these
+                options = None
+                self.obcache_totals.count_failure("admission", "resumable")
+                log_fault(request.request_id, "admission", "resumable",
+                          "a budgeted streaming-input request bypassed admission",
+                          "finished with an error before it ran")  # fmt: skip
+                self._obcache_refused.append(request.request_id)
         if options is not None:
             blocks = self.obcache_ledger.open(
                 request.request_id, options, request.num_prompt_tokens
@@ -194,6 +202,7 @@ class OBCacheScheduler(Scheduler):
                 )
         for req_id, order in self.obcache_pressure.plan(output, orders).items():
             try:  # the pool is short: compress instead of letting vLLM preempt next step
+                order = self.obcache_prefix.release_for_pressure(self.requests[req_id], order)
                 self.obcache_pool.check_writable(req_id, order)
             except Exception as exc:  # contained: vLLM preempts as it would have
                 blocks = self.obcache_ledger.get(req_id)

@@ -55,6 +55,9 @@ MLA                               latent KV (one compressed head), another cache
 decode/prefill context parallel   a request's KV is split across ranks
 prompt embeddings                 the worker tracks token-id prompts only: scheduler and
                                   worker would disagree on the request (engine death)
+streaming inputs (``resumable``)  each chunk is scheduled as a new request over the blocks
+                                  the last one left: the worker would start it afresh and
+                                  attend to the freed head blocks
 ================================  ==========================================================
 """
 
@@ -116,6 +119,9 @@ class Admitted:
 
     options: KvOptions
     request: KvRequest | None = None
+    # The budget is the server policy's (the client asked for none): where a later check
+    # refuses it, the request is served as stock vLLM instead.
+    from_policy: bool = False
 
 
 # Counts a refusal by field: set by the live Prometheus logger (frontend/stats.py), which
@@ -278,11 +284,12 @@ def admit(
         vllm_config, request, prompt_token_ids, seed
     )
     try:
-        return _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, auto)
+        admitted = _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, auto)
     except KvOptionsError:
         if threshold is not None:
             return None
         raise
+    return Admitted(admitted.options, admitted.request, from_policy=threshold is not None)
 
 
 def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, auto) -> Admitted:
@@ -347,7 +354,7 @@ def join_session(vllm_config, admitted: Admitted, engine_request) -> Admitted:
         check_fits(vllm_config, num_prompt, engine_request.sampling_params.max_tokens, options)
     except KvOptionsError:
         return admitted
-    return Admitted(options, request)
+    return Admitted(options, request, admitted.from_policy)
 
 
 def check_fits(vllm_config, num_prompt_tokens: int, max_tokens, options) -> None:
@@ -463,9 +470,22 @@ def admit_engine_request(vllm_config, engine_request) -> None:
     if admitted is None:  # the policy's budget does not apply: a stock request
         params.extra_args = rest or None
         return
+    if getattr(engine_request, "resumable", False):
+        if admitted.from_policy:  # the client asked for no budget: a stock request
+            params.extra_args = rest or None
+            return
+        raise rejected(KvOptionsError("kv_budget", STREAMING_REFUSAL, admitted.options.budget))
     if embeds is None:
         admitted = join_session(vllm_config, admitted, engine_request)
     params.extra_args = {**rest, ADMITTED_KEY: admitted.options.to_wire()}
+
+
+# Why a streaming-input request (vLLM's ``StreamingInput``, ``resumable``) gets no budget.
+STREAMING_REFUSAL = (
+    "not supported for streaming-input requests: vLLM schedules each input chunk as a new "
+    "request over the blocks the last one left, which a compressed cache (its head blocks "
+    "returned to the pool) cannot be continued from yet"
+)
 
 
 def prompt_seed(cache_salt, lora_request):

@@ -42,6 +42,7 @@ def capacity_error(
         budget=None if options is None or options.max_error is not None else options.budget,
         decode=options is not None and options.decode,
         prefill_evict=bounded,
+        point=None if options is None else options.compress_point(prompt_len),
     )
     if peak <= usable:
         return None
@@ -59,6 +60,8 @@ def capacity_error(
             False,
         )
     hint = "" if options.decode else ", or set kv_decode"
+    if options.compress_at is not None and options.compress_at < prompt_len:
+        hint += " (the prompt after kv_compress_at is kept whole)"
     return KvOptionsError(
         "kv_budget", f"the request {need}: lower kv_budget or max_tokens{hint}", options.budget
     )
