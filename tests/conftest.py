@@ -120,6 +120,12 @@ EARLY_SERVERS: dict[str, tuple[str, tuple[str, ...], dict[str, str | None]]] = {
         {"PYTHONPATH": os.pathsep.join(p for p in (str(_SUPPORT), os.environ.get("PYTHONPATH"))
                                        if p), **_LAST_CORE},
     ),
+    # A 47-block pool of which held entries may keep three quarters: features that compete
+    # for the pool meet at its limit (tests/server/test_composition_http.py).
+    "small_pool_server": (
+        "small-pool", ("--num-gpu-blocks-override", "48"),
+        {"OBCACHE_ENTRY_POOL_SHARE": "0.75", **_LAST_CORE},
+    ),
 }  # fmt: skip
 _used_fixtures: set[str] = set()
 _early: dict = {}

@@ -4,6 +4,7 @@ of preemption when it does not, admission of a prompt that fits only compressed.
 from __future__ import annotations
 
 import pytest
+import torch
 from support.engine import POOL_BLOCKS, run_stock
 from support.texts import haystack
 
@@ -52,8 +53,17 @@ def test_no_compression_while_the_pool_has_room(engine, tokenizer, preemptions, 
     assert counts.compressions == before and preemptions == []
 
 
-def test_compression_instead_of_preemption_when_the_pool_is_short(engine, tokenizer, preemptions):
-    # Five requests that outgrow the 95-block pool while they decode: stock vLLM preempts.
+def test_compression_instead_of_preemption_when_the_pool_is_short(
+    engine, tokenizer, preemptions, engine_kwargs, model_path
+):
+    """Five requests that outgrow the 95-block pool while they decode: stock vLLM preempts,
+    the pressure arm compresses instead. Independent oracles for each of its requests: one
+    never compressed answers as the same request on a stock vLLM engine; one compressed while
+    it ran answers as the HF reference that computes its prompt and the tokens it had
+    generated with the full cache, evicts at the reported length and continues."""
+    from obcache_vllm.evidence import hf_reference as ref
+    from obcache_vllm.options import parse_kv_options
+
     prompts = [tokenizer(haystack(16, seed=70 + i)).input_ids for i in range(5)]
     assert sum(-(-(len(p) + 200) // BS) for p in prompts) > POOL_BLOCKS
     _generate(engine, prompts, {}, 200)
@@ -68,6 +78,25 @@ def test_compression_instead_of_preemption_when_the_pool_is_short(engine, tokeni
     reasons = {u["pressure"]["reason"] for u in compressed}
     assert "running" in reasons and reasons <= {"running", "admission"}
     assert all(len(t) == 200 for t in tokens)
+
+    (stock,) = run_stock(engine_kwargs, [[
+        {"prompt_token_ids": p, "max_tokens": 200, "ignore_eos": True} for p in prompts
+    ]])  # fmt: skip
+    untouched = [i for i, u in enumerate(usages) if "pressure" not in u]
+    assert untouched, "some request must have run uncompressed for this oracle to mean anything"
+    for i in untouched:
+        assert tokens[i] == stock[i], f"request {i} was never compressed: stock vLLM's tokens"
+    model, _ = ref.load_model(model_path)
+    for i, usage in enumerate(usages):
+        if usage.get("pressure", {}).get("reason") != "running":
+            continue
+        at = usage["pressure"]["at_tokens"]
+        done = at - len(prompts[i])  # tokens generated before the compression
+        assert done >= 0
+        ids = torch.tensor(prompts[i] + tokens[i][:done])
+        options = parse_kv_options({"kv_budget": 128, "kv_pipeline": "tova"}, len(ids))
+        result = ref.compress_and_generate(model, ids, options, BS, 200 - done)
+        assert result.token_ids == tokens[i][done:], f"request {i}, compressed at {at}"
 
 
 def test_a_prompt_that_fits_only_compressed_is_admitted_and_evicted_while_prefilled(

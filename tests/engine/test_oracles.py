@@ -1,0 +1,118 @@
+"""Independent oracles where reuse and preemption were only compared with the plugin itself.
+
+* A ``kv_session`` turn equals the HF reference (:mod:`obcache_vllm.evidence.hf_reference`)
+  continuing the previous turn's kept cache with the new suffix at its true positions: the
+  reference keeps its own cache from turn to turn, vLLM adopts the entry the last turn left.
+* Budgeted requests that vLLM preempts because the pool runs short (real pressure: more
+  requests than the pool holds, not a call to the scheduler) equal the same request run
+  alone: preempted, a request recomputes its prompt and its output from the tokens, evicts
+  again at its compress point, and goes on as if nothing happened.
+
+(``kv_when: "pressure"`` against a stock engine and the HF reference: test_pressure.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.engine import POOL_BLOCKS
+from support.texts import haystack
+
+from obcache_vllm.options import parse_kv_options
+
+BS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    from obcache_vllm.evidence import hf_reference as ref
+
+    model, _ = ref.load_model(model_path)
+    return model
+
+
+@pytest.fixture
+def fresh(engine):
+    assert engine.llm.reset_prefix_cache()
+    yield engine
+    assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+def _generate(engine, prompts, kv, max_tokens):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            extra_args=dict(kv) or None)  # fmt: skip
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return (
+        [list(o.outputs[0].token_ids) for o in outs],
+        [(o.kv_transfer_params or {}).get("obcache") for o in outs],
+        [o.request_id for o in outs],
+    )
+
+
+SESSION = {"kv_budget": 160, "kv_session": True, "kv_pipeline": "tova"}
+
+
+@pytest.mark.parametrize("seed", [101, 102])
+def test_a_session_turn_equals_the_reference_continuing_its_kept_cache(
+    fresh, hf_model, tokenizer, seed
+):
+    """Turn 1 compresses a ~450-token prompt to 160 (+ block rounding) and answers; turn 2
+    sends turn 1's prompt, its whole answer and a question. vLLM continues the entry turn 1
+    left (its prompt and answer but the last token); the reference continues its own cache."""
+    from obcache_vllm.evidence import hf_reference as ref
+
+    first = tokenizer(haystack(14, seed=seed)).input_ids
+    (out1,), (usage1,), _ = _generate(fresh, [first], SESSION, 12)
+    suffix = tokenizer(" Which towns were named, and what was traded there?").input_ids
+    second = first + out1 + suffix
+    (out2,), (usage2,), _ = _generate(fresh, [second], SESSION, 12)
+    assert usage1["evictions"] == 1 and "reused_from" not in usage1
+    assert usage2["reused_from"] == "session" and usage2["evictions"] == 1
+
+    options1 = parse_kv_options(SESSION, len(first))
+    turn1 = ref.run_evicting(hf_model, torch.tensor(first), options1, BS, 12)
+    assert turn1.token_ids == out1 and turn1.orders == [(len(first), True)]
+    # vLLM's entry: the cache turn 1 left, its prompt and answer but the last token
+    assert usage2["reused_tokens"] == turn1.length == len(first) + len(out1) - 1
+    options2 = parse_kv_options(SESSION, len(second))
+    turn2 = ref.run_evicting(hf_model, torch.tensor(second), options2, BS, 12, start=turn1)
+    assert turn2.orders == [(len(second), True)]
+    assert out2 == turn2.token_ids
+
+
+def _preempted(engine, monkeypatch) -> list[str]:
+    seen: list[str] = []
+    original = engine.scheduler._preempt_request
+
+    def counting(request, *args, **kwargs):
+        seen.append(request.request_id)
+        return original(request, *args, **kwargs)
+
+    monkeypatch.setattr(engine.scheduler, "_preempt_request", counting)
+    return seen
+
+
+def test_budgeted_requests_preempted_by_the_pool_equal_themselves_alone(
+    fresh, tokenizer, monkeypatch
+):
+    """Nine budgeted requests whose compressed caches and outputs outgrow the 95-block pool
+    while they decode: vLLM preempts some (their KV is recomputed from their tokens and
+    evicted again at the prompt's end). Each preempted one must answer exactly as it does
+    alone, and end with the same cache (resident tokens, prompt tokens kept)."""
+    kv = {"kv_budget": 128, "kv_pipeline": "tova"}
+    prompts = [tokenizer(haystack(16, seed=200 + i)).input_ids for i in range(9)]
+    new = 200
+    assert sum(-(-(128 + BS - 1 + new) // BS) for _ in prompts) > POOL_BLOCKS - 1
+    preempted = _preempted(fresh, monkeypatch)
+    tokens, usages, ids = _generate(fresh, prompts, kv, new)
+    assert preempted, "the pool must be short for this test to mean anything"
+    # vLLM's internal ids are the request's own and 8 random characters
+    redone = [i for i, rid in enumerate(ids) if any(p.rsplit("-", 1)[0] == rid for p in preempted)]
+    assert redone and all(usages[i]["evictions"] >= 1 for i in redone)
+    for i in redone:
+        (alone,), (usage,), _ = _generate(fresh, [prompts[i]], kv, new)
+        assert alone == tokens[i], f"request {i} (preempted) differs from its run alone"
+        for key in ("resident_tokens", "prompt_tokens_kept"):
+            assert usage[key] == usages[i][key], (i, key, usage, usages[i])
