@@ -509,7 +509,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "else k is the longest prefix (whole blocks, at least half the prompt) it shares with "
         "a recent one, else the whole prompt, as a tentative `kv_session` (its final cache is "
         "kept for a next turn while the pool has room); the server policy's default budget "
-        "uses it. Unset: the whole prompt",
+        "uses it. With `h2o` or `adakv`, whose caches never become entries to share, "
+        '`"auto"` is the whole prompt. Unset: the whole prompt',
     ),
     OptionSpec(
         "kv_per_head", boolean, True, (bool,), examples=(True, False),

@@ -117,3 +117,35 @@ def test_a_prompt_that_fits_only_compressed_is_admitted_and_evicted_while_prefil
     record = engine.scheduler.obcache_finished[-1]
     assert record.req_id == rid and record.evictions >= 1
     assert all(h in driver.outputs for h in holders)
+
+
+def test_an_admission_under_pressure_never_copies_kv_the_same_step_writes(driver, tokenizer):
+    """The scheduler harness's finding on the real engine: ``r1`` registers a shared
+    prefix's blocks in a step (their KV is written by that step's forward pass); ``r2``
+    (``kv_when: pressure``) hits them in the same ``schedule()``, does not fit as stock and
+    is admitted compressed while prefilled, which copies every hit block it will rewrite.
+    Before the fix those copies ran before the forward pass and read blocks not written yet
+    (the KV oracle: ``copy_in_flight``; the autouse fixture fails the test on any mismatch).
+    Now that admission waits a step, and the copies read written KV."""
+    engine = driver.engine
+    shared = tokenizer(haystack(4, seed=95)).input_ids[:96]
+    holder = tokenizer(haystack(40, seed=96)).input_ids[:1200]
+    driver.add("holder", holder, 80, ignore_eos=True)
+    for _ in range(6):  # its prompt is in (256 tokens a step); it decodes from here on
+        driver.step()
+    own = tokenizer(haystack(50, seed=97)).input_ids[:1500]
+    long_prompt = shared + own
+    assert -(-len(long_prompt) // BS) > engine.free_blocks() - 4  # whole, it cannot fit
+    driver.add("r1", shared + [13, 13], 1)
+    r2 = driver.add("r2", long_prompt, 2, **PRESSURE)
+    driver.step()  # r1 registers the shared blocks; r2 hits them in the same schedule
+    record = engine.scheduler.obcache_ledger.get(r2)
+    running = [r.request_id for r in engine.scheduler.running]
+    # Not admitted in that step (before the fix: admitted under pressure, copying unwritten KV)
+    assert record.pressure is None and r2 not in running, (record.pressure, running)
+    driver.step()  # the shared blocks hold their KV now: admitted under pressure
+    assert record.pressure == "admission"
+    driver.run()
+    usage = engine.scheduler.obcache_finished[-1]
+    assert usage.req_id == r2 and usage.evictions >= 1
+    assert engine.free_blocks() == POOL_BLOCKS - 1

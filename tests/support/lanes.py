@@ -60,6 +60,7 @@ LONG_SERVER_FIRST = (
     "test_concurrent_reuse_http.py",
     "test_fidelity_http.py",
     "test_lm_eval.py",
+    "test_composition_http.py",
 )
 
 

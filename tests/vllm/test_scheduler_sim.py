@@ -177,7 +177,7 @@ def test_budget_over_the_prompt_with_a_prefix_hit_is_admitted():
     config = SimConfig(num_blocks=24, max_batched_tokens=32, share=0.5, share_max=0.5)
     assert_clean(Case(config, (
         Add(3, 2, 64, 39, 1), Step(4),
-        Turn(7, 3, 1, 1, (("kv_budget", 111), ("kv_window", 8))), Step(1),
+        Turn(7, 3, 1, 1, (("kv_budget", 111), ("kv_window", 8))), Step(3),
     )))  # fmt: skip
 
 
@@ -198,7 +198,17 @@ def test_an_entry_whose_copies_outgrow_the_pool_is_not_adopted():
     auto = (("kv_budget", 0.5), ("kv_compress_at", "auto"), ("kv_recent", 4), ("kv_window", 16))
     config = SimConfig(num_blocks=40, max_num_seqs=2, max_batched_tokens=48, share=0.25,
                        share_max=0.75)  # fmt: skip
-    assert_clean(Case(config, (Add(3, 0, 96, 3, 142, auto), Turn(4, 3, 1, 1, auto), Step(1))))
+    assert_clean(Case(config, (Add(3, 0, 96, 3, 142, auto), Turn(4, 3, 1, 1, auto), Step(3))))
+
+
+def test_an_entrys_partial_last_block_counts_among_its_copies():
+    """Found by the long run: a chat's next turn adopted a 97-token session entry whose
+    copies (10 blocks it rewrites) fitted beside its prompt (13 blocks) in the 23-block pool,
+    but vLLM also copies the entry's partial last block: 24 blocks, never admitted."""
+    auto = (("kv_budget", 80), ("kv_compress_at", "auto"), ("kv_pipeline", "streaming"),
+            ("kv_recent", 4), ("kv_scorer", "attn"), ("kv_window", 16))  # fmt: skip
+    config = SimConfig(num_blocks=24, max_batched_tokens=48, share=0.0, share_max=0.0)
+    assert_clean(Case(config, (Add(1, 2, 64, 17, 17, auto), Turn(3, 1, 1, 1, auto), Step(3))))
 
 
 def test_budgeted_streaming_input_is_refused():

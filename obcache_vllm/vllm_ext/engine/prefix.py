@@ -238,6 +238,7 @@ class PrefixAdapter:
                                 donor=entry.donor))  # fmt: skip
         full = entry.tokens // self.block_size
         copies = sum(1 for i in blocks.copy_on_write(full) if i >= entry.dead)
+        copies += 1 if entry.tokens % self.block_size else 0  # vLLM copies a partial last block
         if not self._fits_empty_pool(request, entry.dead, copies):
             blocks.unadopt()  # computed afresh: it always fits (the entry is no use here)
             blocks.lookup = (kind, None)

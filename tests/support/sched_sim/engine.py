@@ -133,6 +133,9 @@ class Sim:
 
     def __init__(self, cfg: SimConfig) -> None:
         _bind_admission()
+        # The front end's index of recent prompts ("auto") is per process: a new engine
+        # starts with a fresh one, as a new server would (else a case depends on the last).
+        admission._sightings.clear()
         self.cfg = cfg
         self.config = vllm_config(cfg)
         spec = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=1, head_size=1,
