@@ -400,9 +400,14 @@ def _scores(plan: StepPlan, row: RowPlan, layer, q_rows, keys, values, geom, pre
         q_pos = torch.arange(row.logical_len - q_rows.shape[0], row.logical_len, device=device)
         step = pipeline.prefill_scores(state.scorer, q_rows, k_tok, v_tok, geom, q_pos, k_pos)
     else:
-        q = q_rows  # "last": the newest query only
+        q = q_rows[-1:]  # "last": the newest query only
         if row.decode_position is not None:  # "sum": every query stored since the last scoring
             q = plan.decode_store.read(layer, state.decode_slot, row.decode_position + 1)
+        elif row.decode_stored is not None:  # "sum", a row of several: stored ones, then it
+            q = q_rows
+            if row.decode_stored:
+                stored = plan.decode_store.read(layer, state.decode_slot, row.decode_stored)
+                q = torch.cat([stored, q_rows])
         q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
         step = state.scorer(q, k_tok, v_tok, geom, q_pos, k_pos)
     running.add(step)

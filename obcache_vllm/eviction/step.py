@@ -243,6 +243,10 @@ class RowPlan:
     # Decode rows whose scores are summed: where this step's query is stored in the runner's
     # DecodeQueryStore (None: not stored), and whether the stored queries are scored now.
     decode_position: int | None = None
+    # A decode-time row of several queries (a preempted request recomputing its output,
+    # summed scores): how many queries were stored before it; all of them and every query of
+    # the row are scored in this step (None: not such a row).
+    decode_stored: int | None = None
     score_decode: bool = False
     # False: nothing to do for this row in any layer this step (its query, if stored, is
     # written by the batched store write).

@@ -358,6 +358,7 @@ def run_evicting(
     prefill_ends: Collection[int] = (),
     eos_token_ids: Collection[int] = (),
     start: Evicting | None = None,
+    prompt_len: int | None = None,
 ) -> Evicting:
     """The worker's eviction step by step: prefill segments, compress point, decode steps.
 
@@ -366,6 +367,12 @@ def run_evicting(
     ``start.length`` tokens; only the rest is computed, at its true positions, on the
     previous run's kept entries and dead blocks (the window queries are this run's own, as
     the adopting request's worker has only those).
+
+    ``prompt_len``: the request's prompt when ``input_ids`` also holds output tokens it
+    recomputes, as a preempted request does: the compress point and the prompt's end are the
+    prompt's, and the tokens after the prompt are one segment of decode-time queries, folded
+    into the running scores as decode queries are (all of them summed; the last one for
+    "last"), with the block rule's decode-time order at its end.
 
     The prompt is computed in segments ending at each of ``prefill_ends`` (the prefill chunks
     that ended where the engine evicted with ``kv_prefill_evict``: where vLLM cuts a prompt
@@ -387,7 +394,8 @@ def run_evicting(
     from transformers import DynamicCache
 
     ids = input_ids.reshape(-1)
-    length = ids.numel()
+    total = ids.numel()
+    length = total if prompt_len is None else prompt_len  # the prompt
     point = options.compress_point(length)
     scorer, pipeline = make_scoring(options)
     mode = RequestKvState.create(options).decode_mode
@@ -402,7 +410,7 @@ def run_evicting(
         layers = [_Layer(lay.keys.clone(), lay.values.clone(), lay.positions.clone())
                   for lay in start.layers]  # fmt: skip
         dead, begin = start.dead, start.length
-    ends = sorted({e for e in prefill_ends if begin < e < point} | {point, length})
+    ends = sorted({e for e in prefill_ends if begin < e < point} | {point, length, total})
     orders: list[tuple[int, bool]] = []
     history: list[dict[int, Tensor]] = []
     kept: dict[int, Tensor] = {}
@@ -477,6 +485,8 @@ def run_evicting(
                     lay.running.reset()
                     lay.running.add(scores)
             else:
+                if not prefill and mode == "last":
+                    q_new = q_new[-1:]  # the newest query only
                 q_pos = torch.arange(logical_len - q_new.shape[0], logical_len)
                 if prefill:
                     step = pipeline.prefill_scores(scorer, q_new, k_tok, v_tok, geom, q_pos,
@@ -511,12 +521,12 @@ def run_evicting(
         if end <= at:
             continue
         logits = forward(ids[at:end], at)
-        evict_or_score(end, prefill=True, q_count=end - at)
+        evict_or_score(end, prefill=end <= length, q_count=end - at)
         at = end
     tokens: list[int] = []
     rows: list[Tensor] = []
     stop = set(eos_token_ids)
-    position = length
+    position = total
     for step in range(max_new_tokens):
         token = int(torch.argmax(logits))
         tokens.append(token)

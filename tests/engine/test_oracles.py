@@ -6,7 +6,9 @@
 * Budgeted requests that vLLM preempts because the pool runs short (real pressure: more
   requests than the pool holds, not a call to the scheduler) equal the same request run
   alone: preempted, a request recomputes its prompt and its output from the tokens, evicts
-  again at its compress point, and goes on as if nothing happened.
+  again at its compress point, and goes on as if nothing happened. With ``kv_decode`` they
+  equal the HF reference following the recompute (its decode-time evictions are not
+  replayed: the output so far is recomputed in one piece and evicted once).
 
 (``kv_when: "pressure"`` against a stock engine and the HF reference: test_pressure.py.)
 """
@@ -116,3 +118,64 @@ def test_budgeted_requests_preempted_by_the_pool_equal_themselves_alone(
         assert alone == tokens[i], f"request {i} (preempted) differs from its run alone"
         for key in ("resident_tokens", "prompt_tokens_kept"):
             assert usage[key] == usages[i][key], (i, key, usage, usages[i])
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        pytest.param({"kv_pipeline": "tova", "kv_per_head": False}, id="tova-last"),
+        pytest.param({"kv_pipeline": "h2o", "kv_scorer": "obcache_value"}, id="h2o-summed"),
+    ],
+)
+def test_decode_evicting_requests_preempted_by_the_pool_follow_the_recompute(
+    fresh, tokenizer, hf_model, monkeypatch, pipeline
+):
+    """With ``kv_decode`` a preempted request cannot equal its run alone: its decode-time
+    evictions happened at steps the recompute does not replay. What it must equal is the HF
+    reference following the recompute: the prompt evicted at its end, then the output so far
+    recomputed as one segment of decode-time queries (folded into the running scores, the
+    block rule's order at its end), then decoding on. Checked on the first two preempted
+    requests, up to each preemption and after it. (Before the fix the recomputed output,
+    several decode-time queries in one row, was scored with all of them for "last" and with
+    only its first for summed scores.)"""
+    from obcache_vllm.evidence import hf_reference as ref
+
+    kv = {"kv_budget": 128, "kv_decode": True, **pipeline}
+    prompts = [tokenizer(haystack(14, seed=400 + i)).input_ids for i in range(6)]
+    new = 200
+    # Two long stock requests grow into the pool (1,100 + 300 tokens: 35 blocks, then 44
+    # each) beside six decode-evicting ones (5 or 6 blocks each once their prompts are
+    # evicted): vLLM preempts the latest running ones.
+    growers = [tokenizer(haystack(40, seed=410 + i)).input_ids[:1100] for i in range(2)]
+    assert 2 * -(-(1100 + 300) // BS) + 6 * 5 > POOL_BLOCKS - 1
+    at: dict[str, list[int]] = {}  # internal id -> output tokens it had at each preemption
+    original = fresh.scheduler._preempt_request
+
+    def recording(request, *args, **kwargs):
+        at.setdefault(request.request_id, []).append(request.num_output_tokens)
+        return original(request, *args, **kwargs)
+
+    monkeypatch.setattr(fresh.scheduler, "_preempt_request", recording)
+    from vllm import SamplingParams
+
+    stock = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    budgeted = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, extra_args=kv)
+    outs = fresh.llm.generate(
+        [{"prompt_token_ids": p} for p in growers + prompts],
+        [stock, stock] + [budgeted] * len(prompts), use_tqdm=False,
+    )[2:]  # fmt: skip
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    ids = [o.request_id for o in outs]
+    preempted = {rid.rsplit("-", 1)[0]: points for rid, points in at.items()}
+    redone = [i for i, rid in enumerate(ids) if preempted.get(rid)]
+    assert redone, f"the pool must be short for this test to mean anything: {at}"
+    for i in redone[:2]:
+        points = sorted({m for m in preempted[ids[i]] if 0 < m < new})
+        prompt, done = prompts[i], 0
+        options = parse_kv_options(kv, len(prompt))
+        for m in [*points, new]:  # each run of the request: from its last recompute on
+            ids_t = torch.tensor(prompt + tokens[i][:done])
+            run = ref.run_evicting(hf_model, ids_t, options, BS, m - done,
+                                   prompt_len=len(prompt))  # fmt: skip
+            assert run.token_ids == tokens[i][done:m], (i, done, m)
+            done = m

@@ -406,3 +406,22 @@ def test_a_session_turn_continues_the_previous_runs_cache(model):
     kept = turn2.kept[0]  # true positions kept in layer 0: the turn's suffix, and turn 1's
     first_kept = set(turn1.layers[0].positions[0].tolist())
     assert set(kept[0].tolist()) <= first_kept | set(range(turn1.length, len(second)))
+
+
+@pytest.mark.parametrize("pipeline", ["h2o", "tova"])
+def test_a_recompute_after_preemption_continues_as_the_run_it_replays(model, pipeline):
+    """``run_evicting(prompt_len=...)``: a preempted request recomputes its prompt (evicting
+    at its compress point) and then its output so far, as one segment of decode-time queries.
+    Where no decode-time order falls in the replayed output, that is the same cache as the
+    original run's, and the continuation is the same."""
+    prompt = _prompt(64, seed=21)
+    opts = dataclasses.replace(_opts(24, pipeline, "obcache_value"), decode=True)
+    whole = ref.run_evicting(model, prompt, opts, block_size=BLOCK, max_new_tokens=12)
+    assert whole.orders[0] == (64, True)
+    m = 5  # preempted after 5 tokens: 24 + 8 kept + 5 recomputed, no decode order yet
+    assert all(length > 64 + m for length, prefill in whole.orders[1:])
+    ids = torch.cat([prompt, torch.tensor(whole.token_ids[:m])])
+    redo = ref.run_evicting(model, ids, opts, block_size=BLOCK, max_new_tokens=12 - m,
+                            prompt_len=64)  # fmt: skip
+    assert redo.orders[0] == (64, True)
+    assert redo.token_ids == whole.token_ids[m:]

@@ -212,7 +212,13 @@ class WorkerEviction:
             prompt_len = batch.prompt_lens[req_id]
             prefill = computed[row] < prompt_len
             position, score_decode, active = None, False, prefill or order is not None
-            if not prefill and state.decode_slot is not None and state.disabled is None:
+            stored = None
+            summed = state.decode_slot is not None and state.disabled is None
+            if not prefill and summed and qsl[row + 1] - qsl[row] > 1:
+                # Several decode-time queries in one row: a preempted request recomputing
+                # its output. All of them are folded now, after the ones stored before.
+                stored, score_decode, active = state.decode_count, True, True
+            elif not prefill and summed:
                 position = state.decode_count
                 score_decode = order is not None or position + 1 >= self.queries.capacity
                 active = active or score_decode
@@ -229,6 +235,7 @@ class WorkerEviction:
                 prefill=prefill,
                 order=order,
                 decode_position=position,
+                decode_stored=stored,
                 score_decode=score_decode,
                 active=active or failure is not None,
             )
@@ -282,6 +289,8 @@ class WorkerEviction:
             failure = outcome.failure
             if row.decode_position is not None:  # the stored queries: scored now, or one more
                 state.decode_count = 0 if row.score_decode else row.decode_position + 1
+            elif row.decode_stored is not None:  # a row of several: every one scored now
+                state.decode_count = 0
             if order is not None and failure is None and compacted != num_layers:
                 failure = ("compact", "not_applied", f"{compacted} of {num_layers} layers")
             if order is not None and compacted == num_layers:
@@ -352,6 +361,8 @@ def _group_decode_orders(
     buckets: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
         if r.prefill or r.outcome.failure or (r.order is not None and r.order.pressure):
+            continue
+        if r.q_end - r.q_start > 1:  # several decode-time queries (a recompute): on its own
             continue
         if r.order is None and not r.score_decode:
             continue
