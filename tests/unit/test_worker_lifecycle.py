@@ -87,3 +87,25 @@ def test_an_order_for_a_request_the_worker_never_saw_is_reported_untracked():
     worker.update_states(_output([_new("a", {"kv_budget": 64})]), None, LAYERS)
     _, report = _step(worker, _output(orders={"ghost": order}), {"a": (0, PROMPT)}, compacted=0)
     assert [(f.req_id, f.reason) for f in report.failures] == [("ghost", "untracked")]
+
+
+def test_a_recomputed_output_is_one_row_of_decode_queries_scored_at_once():
+    """A preempted request recomputes its output: one row of several decode-time queries.
+    With summed decode scores each of them counts (the row is scored in its step, after the
+    queries stored before it; nothing of it goes to the one-query-per-step store, and it is
+    never batched with single-query rows); with "last" only its newest query does."""
+    worker = WorkerEviction(BS)
+    h2o = {"kv_budget": 64, "kv_decode": True, "kv_pipeline": "h2o"}
+    _step(worker, _output([_new("a", h2o), _new("b", h2o)]),
+          {"a": (0, PROMPT), "b": (0, PROMPT)}, compacted=0)  # fmt: skip
+    plan, _ = _step(worker, _output(), {"a": (PROMPT, 1), "b": (PROMPT, 1)}, compacted=0)
+    assert [r.decode_position for r in plan.rows] == [0, 0]  # one stored query each
+    assert worker.states["a"].decode_count == 1
+    plan, _ = _step(worker, _output(), {"a": (PROMPT + 1, 5), "b": (PROMPT + 1, 1)},
+                    compacted=0)  # fmt: skip
+    a, b = plan.rows
+    assert (a.decode_stored, a.decode_position, a.score_decode, a.active) == (1, None, True, True)
+    assert (b.decode_stored, b.decode_position) == (None, 1)
+    assert plan.decode_write[0].numel() == 1  # only b's query goes to the store
+    assert not a.grouped
+    assert worker.states["a"].decode_count == 0 and worker.states["b"].decode_count == 2
