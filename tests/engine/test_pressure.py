@@ -129,11 +129,11 @@ def test_an_admission_under_pressure_never_copies_kv_the_same_step_writes(driver
     Now that admission waits a step, and the copies read written KV."""
     engine = driver.engine
     shared = tokenizer(haystack(4, seed=95)).input_ids[:96]
-    holder = tokenizer(haystack(40, seed=96)).input_ids[:1200]
+    holder = tokenizer(haystack(56, seed=96)).input_ids[:1500]
     driver.add("holder", holder, 80, ignore_eos=True)
-    for _ in range(6):  # its prompt is in (256 tokens a step); it decodes from here on
+    for _ in range(7):  # its prompt is in (256 tokens a step); it decodes from here on
         driver.step()
-    own = tokenizer(haystack(50, seed=97)).input_ids[:1500]
+    own = tokenizer(haystack(64, seed=97)).input_ids[:1700]
     long_prompt = shared + own
     assert -(-len(long_prompt) // BS) > engine.free_blocks() - 4  # whole, it cannot fit
     driver.add("r1", shared + [13, 13], 1)
