@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine import POOL_BLOCKS
+from support.engine import POOL_BLOCKS, generate, record_preemptions
 from support.texts import haystack
 
 from obcache_vllm.options import parse_kv_options
@@ -40,19 +40,6 @@ def fresh(engine):
     assert engine.free_blocks() == POOL_BLOCKS - 1
 
 
-def _generate(engine, prompts, kv, max_tokens):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                            extra_args=dict(kv) or None)  # fmt: skip
-    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return (
-        [list(o.outputs[0].token_ids) for o in outs],
-        [(o.kv_transfer_params or {}).get("obcache") for o in outs],
-        [o.request_id for o in outs],
-    )
-
-
 SESSION = {"kv_budget": 160, "kv_session": True, "kv_pipeline": "tova"}
 
 
@@ -66,10 +53,10 @@ def test_a_session_turn_equals_the_reference_continuing_its_kept_cache(
     from obcache_vllm.evidence import hf_reference as ref
 
     first = tokenizer(haystack(14, seed=seed)).input_ids
-    (out1,), (usage1,), _ = _generate(fresh, [first], SESSION, 12)
+    (out1,), (usage1,), _ = generate(fresh, [first], SESSION, 12)
     suffix = tokenizer(" Which towns were named, and what was traded there?").input_ids
     second = first + out1 + suffix
-    (out2,), (usage2,), _ = _generate(fresh, [second], SESSION, 12)
+    (out2,), (usage2,), _ = generate(fresh, [second], SESSION, 12)
     assert usage1["evictions"] == 1 and "reused_from" not in usage1
     assert usage2["reused_from"] == "session" and usage2["evictions"] == 1
 
@@ -84,18 +71,6 @@ def test_a_session_turn_equals_the_reference_continuing_its_kept_cache(
     assert out2 == turn2.token_ids
 
 
-def _preempted(engine, monkeypatch) -> list[str]:
-    seen: list[str] = []
-    original = engine.scheduler._preempt_request
-
-    def counting(request, *args, **kwargs):
-        seen.append(request.request_id)
-        return original(request, *args, **kwargs)
-
-    monkeypatch.setattr(engine.scheduler, "_preempt_request", counting)
-    return seen
-
-
 def test_budgeted_requests_preempted_by_the_pool_equal_themselves_alone(
     fresh, tokenizer, monkeypatch
 ):
@@ -107,14 +82,14 @@ def test_budgeted_requests_preempted_by_the_pool_equal_themselves_alone(
     prompts = [tokenizer(haystack(16, seed=200 + i)).input_ids for i in range(9)]
     new = 200
     assert sum(-(-(128 + BS - 1 + new) // BS) for _ in prompts) > POOL_BLOCKS - 1
-    preempted = _preempted(fresh, monkeypatch)
-    tokens, usages, ids = _generate(fresh, prompts, kv, new)
+    preempted = record_preemptions(fresh, monkeypatch)
+    tokens, usages, ids = generate(fresh, prompts, kv, new)
     assert preempted, "the pool must be short for this test to mean anything"
     # vLLM's internal ids are the request's own and 8 random characters
     redone = [i for i, rid in enumerate(ids) if any(p.rsplit("-", 1)[0] == rid for p in preempted)]
     assert redone and all(usages[i]["evictions"] >= 1 for i in redone)
     for i in redone:
-        (alone,), (usage,), _ = _generate(fresh, [prompts[i]], kv, new)
+        (alone,), (usage,), _ = generate(fresh, [prompts[i]], kv, new)
         assert alone == tokens[i], f"request {i} (preempted) differs from its run alone"
         for key in ("resident_tokens", "prompt_tokens_kept"):
             assert usage[key] == usages[i][key], (i, key, usage, usages[i])
@@ -148,14 +123,7 @@ def test_decode_evicting_requests_preempted_by_the_pool_follow_the_recompute(
     # evicted): vLLM preempts the latest running ones.
     growers = [tokenizer(haystack(40, seed=410 + i)).input_ids[:1100] for i in range(2)]
     assert 2 * -(-(1100 + 300) // BS) + 6 * 5 > POOL_BLOCKS - 1
-    at: dict[str, list[int]] = {}  # internal id -> output tokens it had at each preemption
-    original = fresh.scheduler._preempt_request
-
-    def recording(request, *args, **kwargs):
-        at.setdefault(request.request_id, []).append(request.num_output_tokens)
-        return original(request, *args, **kwargs)
-
-    monkeypatch.setattr(fresh.scheduler, "_preempt_request", recording)
+    at = record_preemptions(fresh, monkeypatch)  # internal id -> output tokens at each
     from vllm import SamplingParams
 
     stock = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)

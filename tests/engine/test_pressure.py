@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine import POOL_BLOCKS, run_stock
+from support.engine import POOL_BLOCKS, generate, record_preemptions, run_stock
 from support.texts import haystack
 
 BS = 32
@@ -14,29 +14,11 @@ PRESSURE = {"kv_budget": 128, "kv_when": "pressure", "kv_pipeline": "tova"}
 
 @pytest.fixture
 def preemptions(engine, monkeypatch):
-    """Every preemption vLLM makes during the test (request ids)."""
-    seen: list[str] = []
-    original = engine.scheduler._preempt_request
-
-    def counting(request, *args, **kwargs):
-        seen.append(request.request_id)
-        return original(request, *args, **kwargs)
-
-    monkeypatch.setattr(engine.scheduler, "_preempt_request", counting)
+    """Every preemption vLLM makes during the test (request id -> output tokens then)."""
+    seen = record_preemptions(engine, monkeypatch)
     assert engine.llm.reset_prefix_cache()
     yield seen
     assert engine.free_blocks() == POOL_BLOCKS - 1
-
-
-def _generate(engine, prompts, kv, max_tokens):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                            extra_args=dict(kv) or None)  # fmt: skip
-    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], [
-        (o.kv_transfer_params or {}).get("obcache") for o in outs
-    ]
 
 
 def test_no_compression_while_the_pool_has_room(engine, tokenizer, preemptions, engine_kwargs):
@@ -47,10 +29,10 @@ def test_no_compression_while_the_pool_has_room(engine, tokenizer, preemptions, 
     ]])  # fmt: skip
     counts = engine.scheduler.obcache_pressure.counts
     before = counts.compressions
-    tokens, usages = _generate(engine, prompts, PRESSURE, 24)
+    tokens, usages, _ = generate(engine, prompts, PRESSURE, 24)
     assert tokens == stock  # exactly stock vLLM's tokens
     assert all(u["evictions"] == 0 and "pressure" not in u for u in usages)
-    assert counts.compressions == before and preemptions == []
+    assert counts.compressions == before and not preemptions
 
 
 def test_compression_instead_of_preemption_when_the_pool_is_short(
@@ -66,13 +48,13 @@ def test_compression_instead_of_preemption_when_the_pool_is_short(
 
     prompts = [tokenizer(haystack(16, seed=70 + i)).input_ids for i in range(5)]
     assert sum(-(-(len(p) + 200) // BS) for p in prompts) > POOL_BLOCKS
-    _generate(engine, prompts, {}, 200)
+    generate(engine, prompts, {}, 200)
     assert preemptions, "the stock run must be pool-limited for this test to mean anything"
     preemptions.clear()
     counts = engine.scheduler.obcache_pressure.counts
     before = (counts.compressions, counts.preemptions_avoided)
-    tokens, usages = _generate(engine, prompts, PRESSURE, 200)
-    assert preemptions == []  # avoided: compressed instead
+    tokens, usages, _ = generate(engine, prompts, PRESSURE, 200)
+    assert not preemptions  # avoided: compressed instead
     assert counts.compressions > before[0] and counts.preemptions_avoided > before[1]
     compressed = [u for u in usages if "pressure" in u]
     reasons = {u["pressure"]["reason"] for u in compressed}

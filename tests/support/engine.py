@@ -136,6 +136,35 @@ class Driver:
         raise AssertionError("engine did not finish")
 
 
+def generate(engine: Internals, prompts: list[list[int]], kv: dict, max_tokens: int):
+    """One greedy ``LLM.generate`` call (EOS ignored) with ``kv`` as every request's options:
+    each request's token ids, ``usage.obcache`` (None: unbudgeted) and vLLM's internal id."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            extra_args=dict(kv) or None)  # fmt: skip
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return (
+        [list(o.outputs[0].token_ids) for o in outs],
+        [(o.kv_transfer_params or {}).get("obcache") for o in outs],
+        [o.request_id for o in outs],
+    )
+
+
+def record_preemptions(engine: Internals, monkeypatch) -> dict[str, list[int]]:
+    """Every preemption vLLM makes from now on (``monkeypatch`` undoes the recording): vLLM's
+    internal request id -> the output tokens the request had at each of its preemptions."""
+    seen: dict[str, list[int]] = {}
+    original = engine.scheduler._preempt_request
+
+    def recording(request, *args, **kwargs):
+        seen.setdefault(request.request_id, []).append(request.num_output_tokens)
+        return original(request, *args, **kwargs)
+
+    monkeypatch.setattr(engine.scheduler, "_preempt_request", recording)
+    return seen
+
+
 class StockReference:
     """Stock vLLM (plugin disabled) in a subprocess that stays up between calls.
 
