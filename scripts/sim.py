@@ -1,12 +1,12 @@
 """The long run of the model-free scheduler harness (``make sim``): seeded random sequences.
 
-Each case is drawn from a seed (tests/support/sched_sim/ops.py ``generate``) and run on a
+Each case is drawn from a seed (tests/support/sched_sim/gen.py ``case_for``) and run on a
 fresh simulated engine with every invariant checked after every step and at the end
 (tests/support/sched_sim/checks.py). One case in five is also run paired: a sequence without
 budgets against vLLM's own ``Scheduler`` (the same decisions at every step, the same tokens),
 and one with ``kv_when: "pressure"`` budgets against the same traffic unbudgeted (the same
 decisions up to the first compression under pressure). A case that breaks an invariant is
-shrunk (``ops.shrink``) and printed as a ``Case(...)`` to paste into
+shrunk (``shrink.shrink_finding``) and printed as a ``Case(...)`` to paste into
 tests/vllm/test_scheduler_sim.py. The report (counts of cases, steps and violations by kind,
 the shrunk cases) goes to ``--out``; the exit status is non-zero on any violation.
 
@@ -47,7 +47,9 @@ def main() -> int:
     args = parser.parse_args()
 
     logging.disable(logging.WARNING)  # contained faults are violations here, counted below
-    from support.sched_sim.ops import case_for, findings, kind_of, pasteable, run, shrink_finding
+    from support.sched_sim.gen import case_for
+    from support.sched_sim.ops import run
+    from support.sched_sim.shrink import findings, kind_of, pasteable, shrink_finding
 
     started = time.monotonic()
     deadline = started + args.minutes * 60

@@ -22,23 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.sched_sim.engine import SimConfig
-from support.sched_sim.ops import (
-    Abort,
-    Add,
-    Case,
-    Step,
-    Stream,
-    Turn,
-    case_for,
-    findings,
-    generate,
-    kind_of,
-    paired,
-    pasteable,
-    run,
-    shrink_finding,
-    tokens,
-)
+from support.sched_sim.gen import RandomDraw, case_for, generate
+from support.sched_sim.ops import Abort, Add, Case, Step, Stream, Turn, paired, run, tokens
+from support.sched_sim.shrink import findings, kind_of, pasteable, shrink_finding
 
 pytestmark = pytest.mark.vllm
 
@@ -269,8 +255,6 @@ def test_entry_copy_never_takes_room_a_running_request_needs():
 
 # -- the harness itself: each check fails on a deliberately broken build ----------------------
 def _first_seed_showing(kind: str, cases: int = 400, **kwargs) -> int | None:
-    from support.sched_sim.ops import RandomDraw
-
     for seed in range(cases):
         if kind in kinds_of(generate(RandomDraw(seed), **kwargs)):
             return seed
@@ -362,8 +346,6 @@ def test_the_harness_sees_a_stall_and_a_stock_difference(monkeypatch):
         return original(self, request, num_new_tokens, blocks, args, kwargs)
 
     monkeypatch.setattr(PoolAdapter, "_allocate", greedy)
-    from support.sched_sim.ops import RandomDraw
-
     differs = 0
     for seed in range(60):
         ours, stock = paired(generate(RandomDraw(seed), stock_only=True), end=False)

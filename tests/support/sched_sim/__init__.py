@@ -5,8 +5,9 @@ be interleaved with every other one, step by step, by property-based tests.
 
 The pieces::
 
-    ops (ops.py)  add / step / abort / reset / stream / idle, as data: a sequence of them
-        |         is a test case (hypothesis shrinks it; a shrunk one is a named regression)
+    ops (ops.py)  add / turn / step / abort / reset / stream, as data: a sequence of them is
+        |         a test case, drawn by gen.py (per-case option profiles), shrunk by shrink.py
+        |         (a shrunk one is pasted as a named regression)
         v
     Sim (engine.py)  the front end's admission (``admit_engine_request``) -> Request ->
         |            scheduler.schedule() -> worker -> scheduler.update_from_output()
