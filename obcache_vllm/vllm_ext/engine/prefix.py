@@ -273,7 +273,12 @@ class PrefixAdapter:
         :meth:`settle_preserved` registers them (addressable by their tokens: stock KV)."""
         if not self.enabled:
             return order
-        indices = blocks.preservable(order)
+        return self._with_spares(order, blocks.preservable(order))
+
+    def _with_spares(self, order, indices: range):
+        """``order`` with a spare block for each block index in ``indices`` (copied into by
+        the worker before it compacts, registered by :meth:`settle_preserved`), or as it is
+        when there are none to preserve or the pool has too few free blocks."""
         if not indices or len(indices) > self.pool.get_num_free_blocks():
             return order
         spare = self.pool.get_new_blocks(len(indices))
@@ -296,14 +301,10 @@ class PrefixAdapter:
         if not hashed:
             return order
         self.pool.evict_blocks({req_blocks[i].block_id for i in hashed})
-        indices = range(hashed[0], full)
-        if len(indices) > self.pool.get_num_free_blocks() or len(
-            request.block_hashes
-        ) < full:  # the pool is short (that is why it compresses): they are simply dropped
+        if len(request.block_hashes) < full:
             return order
-        spare = self.pool.get_new_blocks(len(indices))
-        pairs = tuple((i, b.block_id) for i, b in zip(indices, spare, strict=True))
-        return dataclasses.replace(order, preserve=pairs)
+        # The pool is short (that is why it compresses): without spare blocks they are dropped.
+        return self._with_spares(order, range(hashed[0], full))
 
     def settle_preserved(self, request, order, applied: bool) -> None:
         """Register the spare blocks of an applied order, then release them to the pool (as

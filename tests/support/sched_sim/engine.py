@@ -172,7 +172,6 @@ class Sim:
         self.pressure: list[int] = []  # per step: pressure events so far (plugin only)
         self.steps = 0
         self.expected_stock: dict = {}  # block hash -> expected contents (checks.registered)
-        self.idle_with_waiting = 0
 
     @property
     def violations(self) -> list[Violation]:
@@ -251,11 +250,6 @@ class Sim:
             self.pressure.append(scheduler.obcache_pressure.counts.compressions
                                  + scheduler.obcache_pool.pressure_admissions)  # fmt: skip
         checks.check_step(self, out)
-
-    def idle(self) -> bool:
-        """Nothing running and nothing waiting (streaming sessions waiting for input aside)."""
-        s = self.scheduler
-        return not s.running and not (len(s.waiting) + len(s.kv_holding_waiting))
 
     def drain(self, max_steps: int) -> bool:
         """Step until every request has finished; False if that takes over ``max_steps``."""

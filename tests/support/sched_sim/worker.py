@@ -106,10 +106,7 @@ class SymbolicWorker:
         self.snapshots: dict[tuple[str, int], Snapshot] = {}
         self.violations: list[Violation] = []
         self.step = 0
-        self.sampled: dict[str, list[int]] = {}
         self.fresh: list[int] = []  # blocks handed out since the last step's copies
-        self.compactions = 0
-        self.reads = 0
 
     # -- helpers ----------------------------------------------------------------------------
     def violate(self, kind: str, detail: str) -> None:
@@ -303,12 +300,10 @@ class SymbolicWorker:
             self.slots[block][p % bs] = c
             cache.contents.append(c)
             cache.sig = fold(cache.sig, c)
-        self.reads += 1
         self._read(req_id, w, dead)
         end = w.computed + n
         if end >= req.num_tokens:
             token = sample(cache.sig, VOCAB)
-            self.sampled.setdefault(req_id, []).append(token)
             return [token]
         return []
 
@@ -369,7 +364,6 @@ class SymbolicWorker:
                 self.slots[block][position % bs] = value
             contents = [cache.contents[i] for i in keep]
             w.cache = Cache(dead_after, contents, fold_all(contents))
-            self.compactions += 1
         if order.max_error is not None:
             row.outcome.chosen = (dead_after, kept, 0.0)
         row.outcome.compacted_layers = 1
