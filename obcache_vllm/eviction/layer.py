@@ -53,6 +53,15 @@ class KvCacheView(Protocol):
         (they lie past the request's length, and the request writes them itself later)."""
         ...
 
+    def values_of(self, keys: torch.Tensor, values: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The values gathered ``keys``/``values`` stand for, in ``dtype`` (what scoring reads).
+
+        ``gather`` returns what the cache stores (a quantized cache's bytes, see
+        :mod:`obcache_vllm.eviction.quantized`) and ``scatter`` takes it back unchanged, so
+        compaction moves stored bytes and never re-quantizes; only scores need the values."""
+        ...
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks ``src`` [n] into blocks ``dst`` [n] (block ids)."""
         ...
@@ -124,11 +133,12 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
     # Every row of the step reads the same block table: the one the attention just used.
     blocks = plan.read_block_table[row.row : row.row + 1]  # [1, M]
     keys, values = view.gather(blocks, row.num_resident)
-    keys, values = keys[0], values[0]  # [Hkv, N, D] each
+    keys, values = keys[0], values[0]  # [Hkv, N, D] each, as stored (moved, never re-stored)
+    k_read, v_read = view.values_of(keys, values, query.dtype)  # what scoring reads
     if order is not None and order.max_error is not None:
-        _defer(plan, row, layer, q_rows, keys, values, view, blocks, geom)
+        _defer(plan, row, layer, q_rows, k_read, v_read, view, blocks, geom)
         return
-    scores = _scores(plan, row, layer, q_rows, keys, values, geom, prefill_end)
+    scores = _scores(plan, row, layer, q_rows, k_read, v_read, geom, prefill_end)
     if order is None:
         return
 
@@ -315,9 +325,10 @@ def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
     num_rows, n, w = len(rows), first.num_resident, group.num_queries
     index = torch.tensor([r.row for r in rows], device=plan.read_block_table.device)
     blocks = plan.read_block_table.index_select(0, index)  # [R, M]
-    keys, values = view.gather(blocks, n)  # [R, Hkv, N, D]
+    keys, values = view.gather(blocks, n)  # [R, Hkv, N, D] as stored
     hkv, d = keys.shape[1], keys.shape[3]
     if pipeline.scored:
+        k_read, v_read = view.values_of(keys, values, query.dtype)
         if first.decode_position is not None:  # summed: the stored decode queries
             slots = torch.tensor([r.state.decode_slot for r in rows], device=keys.device)
             q = plan.decode_store.read_many(layer, slots, w)  # [R, W, Hq, D]
@@ -328,8 +339,8 @@ def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
         big = HeadGeometry(num_rows * hq, num_rows * hkv, geom.head_dim, geom.scale)
         step = state.scorer(
             q.permute(1, 0, 2, 3).reshape(w, num_rows * hq, d),  # [W, R*Hq, D]
-            keys.permute(2, 0, 1, 3).reshape(n, num_rows * hkv, d),  # [N, R*Hkv, D]
-            values.permute(2, 0, 1, 3).reshape(n, num_rows * hkv, d),
+            k_read.permute(2, 0, 1, 3).reshape(n, num_rows * hkv, d),  # [N, R*Hkv, D]
+            v_read.permute(2, 0, 1, 3).reshape(n, num_rows * hkv, d),
             big,
             torch.arange(n - w, n, device=keys.device),
             torch.arange(n, device=keys.device),
@@ -347,7 +358,7 @@ def _group_after_attention(plan, group, rows, layer, query, view, geom) -> None:
     elif first.order is None:
         return
     else:
-        scores = keys.new_zeros((num_rows, hkv, n))
+        scores = torch.zeros((num_rows, hkv, n), dtype=torch.float32, device=keys.device)
     keep = pipeline.select_batch(scores, keep=first.order.kept, recent=opts.recent,
                                  sinks=opts.sinks)  # fmt: skip
     index_kd = keep.unsqueeze(-1).expand(-1, -1, -1, d)  # [R, Hkv, K, D]

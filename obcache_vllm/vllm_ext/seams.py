@@ -350,7 +350,11 @@ REGISTRY: tuple[Seam, ...] = (
     S("vllm._custom_ops", "cpu_attn_reshape_and_cache",
       ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa", "k_scale", "v_scale",
        "kv_cache_dtype"), process="worker", backend="cpu",
-      why="probes the paged layout at start"),
+      why="probes the paged layout at start (per ISA and KV cache dtype)"),
+    S("vllm.model_executor.layers.attention.attention", "set_default_quant_scales",
+      ("layer", "register_buffer"), process="worker", backend="cpu",
+      why="sets each attention layer's `_k_scale_float` and `_v_scale_float` (1.0 unless the "
+      "checkpoint ships scales): an fp8 cache's view dequantizes with them"),
     S("vllm._custom_ops", "cpu_attention_with_kv_cache",
       ("query", "key_cache", "value_cache", "output", "query_start_loc", "seq_lens", "scale",
        "causal", "alibi_slopes", "sliding_window", "block_table", "softcap",

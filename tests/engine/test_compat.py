@@ -87,9 +87,15 @@ def test_unsupported_configurations_are_named(llm):
         for k, v in change.items():
             object.__setattr__(fake, k, v)
         assert needle in support.unsupported_reason(fake)
-    fake = copy.copy(config)
-    object.__setattr__(fake, "cache_config", SimpleNamespace(cache_dtype="fp8"))
-    assert "quantized" in support.unsupported_reason(fake)
+    # Per-layer-scaled fp8 is served on CPU (test_fp8_kv.py); other quantized layouts are not.
+    for dtype, refused in (("fp8", False), ("fp8_e5m2", False), ("fp8_per_token_head", True),
+                           ("fp8_inc", True)):
+        fake = copy.copy(config)
+        object.__setattr__(fake, "cache_config", copy.copy(config.cache_config))
+        object.__setattr__(fake.cache_config, "cache_dtype", dtype)
+        reason = support.unsupported_reason(fake)
+        assert (reason is not None and "quantized KV cache" in reason and dtype in reason) \
+            if refused else reason is None, (dtype, reason)
 
 
 @pytest.mark.parametrize(

@@ -166,7 +166,8 @@ def _config(**over):
         attention_config=SimpleNamespace(backend=AttentionBackendEnum.FLASH_ATTN,
                                          backend_per_kind={}),
         compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE),
-        cache_config=SimpleNamespace(block_size=16, kv_sharing_fast_prefill=False),
+        cache_config=SimpleNamespace(block_size=16, kv_sharing_fast_prefill=False,
+                                     cache_dtype="auto"),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1,
                                         prefill_context_parallel_size=1, enable_dbo=False),
         model_config=SimpleNamespace(hf_text_config=SimpleNamespace(), is_mm_prefix_lm=False,
@@ -207,6 +208,9 @@ def _mode(name):
         pytest.param({"model_config.hf_text_config": SimpleNamespace(alibi=True)}, "ALiBi",
                      id="alibi"),
         pytest.param({"model_config.rswa_window": 128}, "R-SWA", id="rswa"),
+        # Its view moves float pages (fp8 is served by the CPU adapter only).
+        pytest.param({"cache_config.cache_dtype": "fp8"}, "quantized KV cache (fp8)", id="fp8"),
+        pytest.param({"cache_config.cache_dtype": "bfloat16"}, None, id="bf16-ok"),
     ],
 )  # fmt: skip
 def test_unsupported_configurations_are_refused(override, match):

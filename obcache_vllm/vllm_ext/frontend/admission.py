@@ -37,12 +37,13 @@ Refused with a budget, and why:
 ================================  ==========================================================
 configuration                     why eviction cannot run (or cannot run correctly)
 ================================  ==========================================================
-platform / backend settings       the adapter's own refusals: none on CPU; on CUDA those of
-                                  FLASH_ATTN (see the GPU settings in the docs); other
+platform / backend settings       the adapter's own refusals: on CPU a quantized KV cache
+                                  other than per-layer-scaled fp8 (fp8, fp8_e4m3, fp8_e5m2
+                                  are served); on CUDA those of FLASH_ATTN (see the GPU
+                                  settings in the docs), quantized KV caches included; other
                                   platforms: no adapter
 speculative decoding              rejected drafts roll back KV that may have been compacted
 KV connectors / offloading        they assume positional block contents
-quantized KV cache                scoring needs the scales; the layout probe is per dtype
 pipeline parallelism              layers (and their compactions) split across stages
 hybrid / attention-free models    several KV groups with different block sizes
 sliding-window models             vLLM already frees their head blocks itself
@@ -157,9 +158,6 @@ def unsupported_reason(vllm_config) -> str | None:
         return "speculative decoding is not supported with kv_budget"
     if vllm_config.kv_transfer_config is not None:
         return "KV connectors / offloading are not supported with kv_budget"
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
-        return f"quantized KV cache ({cache_dtype}) is not supported with kv_budget"
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
         return "pipeline parallelism is not supported with kv_budget"

@@ -35,6 +35,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from obcache_vllm.eviction.heads import head_tables, regroup_index
 from obcache_vllm.eviction.paged import shift_rows_in_place
+from obcache_vllm.eviction.quantized import dequantize, fp8_format, is_quantized
 from obcache_vllm.eviction.step import StepPlan
 from obcache_vllm.vllm_ext.worker.attention import (
     BackendAdapter,
@@ -56,30 +57,52 @@ class PagedLayout:
 
 
 @functools.lru_cache(maxsize=16)
-def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> PagedLayout:
-    """Learn the slab permutation of ``isa`` by writing markers through vLLM's cache kernel.
+def probe_layout(isa: str, cache_dtype: str, storage: torch.dtype, block_size: int,
+                 head_dim: int) -> PagedLayout:  # fmt: skip
+    """Learn the slab permutation of ``isa`` for ``cache_dtype`` (vLLM's ``--kv-cache-dtype``,
+    stored as ``storage``) by writing markers through vLLM's cache kernel.
 
-    Markers are slot indices and dim indices, written in two passes; they must be exact in
-    ``dtype`` (bf16 holds integers up to 256 exactly), so larger blocks or heads are refused.
+    The markers are bit planes: pass ``b`` writes bit ``b`` of each slot's index (then of each
+    dim's index) as 0.0 or 1.0, values every storage format holds exactly, fp8 included (whose
+    kernel path quantizes and may lay bytes out differently). A position the kernel did not
+    write keeps a sentinel that is neither.
     """
     from vllm import _custom_ops as ops
 
     bs, d = block_size, head_dim
-    if max(bs, d) > 256:
-        raise NotImplementedError(f"layout probe supports bs, D <= 256, got {bs}, {d}")
+    fmt = fp8_format(cache_dtype)
+    if fmt is None and is_quantized(cache_dtype):
+        raise NotImplementedError(f"no KV view for kv_cache_dtype={cache_dtype!r}")
     slots = torch.arange(bs, dtype=torch.int64)
 
     def write(marker: torch.Tensor) -> torch.Tensor:
-        raw = torch.full((1, 1, bs, 2 * d), -1.0, dtype=dtype)  # one block, one head
+        """Marker [bs, D] of 0/1 values -> what each of the slab's 2*bs*D elements holds."""
+        raw = torch.empty((1, 1, bs, 2 * d), dtype=storage)  # one block, one head
+        if fmt is None:
+            raw.fill_(-1.0)
+        else:
+            raw.view(fmt).fill_(float("nan"))
         key_cache, value_cache = raw.view(1, 1, 2 * bs, d).chunk(2, dim=2)
-        kv = marker.to(dtype).view(bs, 1, d)
-        ops.cpu_attn_reshape_and_cache(kv, kv, key_cache, value_cache, slots, isa)
-        return raw.reshape(-1).float()
+        # Inputs in the storage dtype (a float cache), or fp32 for a quantized one (the kernel
+        # quantizes any float input; the layout is the ISA's, not the input's).
+        kv = marker.to(storage if fmt is None else torch.float32).view(bs, 1, d)
+        ops.cpu_attn_reshape_and_cache(kv, kv, key_cache, value_cache, slots, isa,
+                                       kv_cache_dtype=cache_dtype)  # fmt: skip
+        flat = raw.reshape(-1)
+        return (flat if fmt is None else flat.view(fmt)).to(torch.float32)
 
-    slot_marker = slots.view(bs, 1).expand(bs, d).float()  # [bs, D]
-    dim_marker = torch.arange(d).view(1, d).expand(bs, d).float()  # [bs, D]
-    slot_of = write(slot_marker).long()  # [2*bs*D]
-    dim_of = write(dim_marker).long()  # [2*bs*D]
+    def index_of(size: int, along: int) -> torch.Tensor:
+        """For each slab element, the slot (along=0) or dim (along=1) index written there."""
+        index = torch.zeros(2 * bs * d, dtype=torch.int64)
+        for bit in range(max(1, (size - 1).bit_length())):
+            ids = torch.arange(size).view(-1, 1) if along == 0 else torch.arange(size).view(1, -1)
+            plane = write(((ids >> bit) & 1).expand(bs, d))
+            if not ((plane == 0) | (plane == 1)).all():
+                raise RuntimeError(f"KV layout probe for isa={isa!r}: unwritten positions")
+            index |= plane.long() << bit
+        return index
+
+    slot_of, dim_of = index_of(bs, 0), index_of(d, 1)  # [2*bs*D] each
     half = bs * d
     offsets = []
     for region in (slice(0, half), slice(half, 2 * half)):
@@ -96,10 +119,14 @@ class CpuKvView:
     """One layer's CPU paged cache, read and written by block id (see the module docstring)."""
 
     def __init__(self, kv_cache: torch.Tensor, layout: PagedLayout, num_kv_heads: int,
-                 per_head_reads: bool = True) -> None:  # fmt: skip
+                 per_head_reads: bool = True, fp8: torch.dtype | None = None,
+                 scales: tuple[float, float] = (1.0, 1.0)) -> None:  # fmt: skip
         # Whether this layer can read per head (:func:`attend_per_head`: no ALiBi slopes or
         # attention sinks, which are per query head for the whole batch).
         self.per_head_reads = per_head_reads
+        # An fp8 cache: the format its bytes are and the layer's (key, value) scales.
+        self.fp8 = fp8
+        self.scales = scales
         self.block_size = layout.block_size
         self.layout = layout
         self.num_kv_heads = num_kv_heads
@@ -132,6 +159,16 @@ class CpuKvView:
             slabs.scatter_(2, offsets.expand(rows * nb, hkv, -1),
                            slot_major.reshape(rows * nb, hkv, bs * d))  # fmt: skip
         self.slabs.index_copy_(0, blocks[:, :nb].reshape(-1).long(), slabs)
+
+    def values_of(self, keys: torch.Tensor, values: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """What gathered ``keys``/``values`` mean, in ``dtype``: themselves for a float cache,
+        the fp8 bytes times the layer's scales for a quantized one (as the kernel reads them)."""
+        if self.fp8 is None:
+            return keys.to(dtype), values.to(dtype)
+        k_scale, v_scale = self.scales
+        return (dequantize(keys, self.fp8, k_scale, dtype),
+                dequantize(values, self.fp8, v_scale, dtype))  # fmt: skip
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Whole blocks ``src`` [n] -> ``dst`` [n] (every head, keys and values)."""
@@ -220,9 +257,13 @@ class CpuAdapter(BackendAdapter):
     per_head_memory = True
 
     def kv_view(self, kv_cache, layer, impl) -> CpuKvView:
-        layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], impl.head_size)
+        cache_dtype = str(impl.kv_cache_dtype)
+        layout = probe_layout(layer.isa, cache_dtype, kv_cache.dtype, kv_cache.shape[2],
+                              impl.head_size)  # fmt: skip
         plain = impl.alibi_slopes is None and impl.sinks is None
-        return CpuKvView(kv_cache, layout, impl.num_kv_heads, per_head_reads=plain)
+        scales = (float(layer._k_scale_float), float(layer._v_scale_float))
+        return CpuKvView(kv_cache, layout, impl.num_kv_heads, per_head_reads=plain,
+                         fp8=fp8_format(cache_dtype), scales=scales)  # fmt: skip
 
     def shift_reads(self, common_attn_metadata, plan: StepPlan):
         cm = common_attn_metadata

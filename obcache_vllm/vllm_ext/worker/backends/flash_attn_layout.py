@@ -120,6 +120,11 @@ class FlashAttnKvView:
         ids = blocks[:, :nb].reshape(-1).long()
         self.kv_cache.index_copy_(0, ids, pages.to(self.kv_cache.dtype))
 
+    def values_of(self, keys: torch.Tensor, values: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A float cache stores its values (quantized caches are refused for this backend)."""
+        return keys.to(dtype), values.to(dtype)
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Whole blocks ``src`` [n] -> ``dst`` [n] (every head, keys and values)."""
         self.kv_cache.index_copy_(0, dst.long(), self.kv_cache.index_select(0, src.long()))

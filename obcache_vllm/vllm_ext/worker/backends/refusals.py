@@ -11,9 +11,27 @@ BACKEND_NAME = "FLASH_ATTN"
 KERNEL_BLOCK_MULTIPLE = 16  # FlashAttentionBackend.get_supported_kernel_block_sizes
 
 
+# vLLM --kv-cache-dtype values whose values a float cache holds (no quantization).
+FLOAT_KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# Quantized KV dtypes the CPU adapter reads: fp8 bytes with one scale per layer for keys and
+# one for values (obcache_vllm/eviction/quantized.py). Not fp8_per_token_head (scales per
+# token and head, stored beside the cache) nor fp8_inc / fp8_ds_mla (other layouts).
+CPU_FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _kv_dtype_refusal(vllm_config, served: tuple[str, ...]) -> str | None:
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype in FLOAT_KV_DTYPES or cache_dtype in served:
+        return None
+    also = f"; {', '.join(served)} are" if served else ""
+    return (f"quantized KV cache ({cache_dtype}) is not supported with kv_budget on this "
+            f"backend (float KV caches{also} served)")  # fmt: skip
+
+
 def cpu_refusal(vllm_config) -> str | None:
-    """CPU_ATTN: every CPU configuration the engine accepts (the generic checks apply)."""
-    return None
+    """CPU_ATTN: every CPU configuration the engine accepts (the generic checks apply), with a
+    float or a per-layer-scaled fp8 KV cache."""
+    return _kv_dtype_refusal(vllm_config, CPU_FP8_KV_DTYPES)
 
 
 def unsupported_platform(vllm_config) -> str | None:
@@ -22,6 +40,9 @@ def unsupported_platform(vllm_config) -> str | None:
 
 def flash_attn_refusal(vllm_config) -> str | None:
     """FLASH_ATTN on CUDA: why budgeted requests cannot be served, or None."""
+    quantized = _kv_dtype_refusal(vllm_config, ())  # its view moves float pages only
+    if quantized is not None:
+        return quantized
     attention = vllm_config.attention_config
     backend = getattr(attention.backend, "name", attention.backend)
     if backend != BACKEND_NAME or getattr(attention, "backend_per_kind", None):
