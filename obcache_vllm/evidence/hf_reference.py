@@ -1,7 +1,10 @@
 """The same eviction in HF transformers: a reference for the vLLM path, and scorers without vLLM.
 
-This module imports torch and transformers only. It runs a decoder-only Llama-style model with
-eager attention, applies exactly the decision the vLLM worker makes at the end of the prefill
+This module imports torch and transformers only. It runs a decoder-only model with eager
+attention (any architecture whose layers dispatch through transformers' attention interface:
+the queries are read there, after the projections, QK-norm and RoPE; the matrix of
+``obcache_vllm/evidence/architectures.py`` checks Llama, Qwen2/3, Mistral, Phi-3, OLMo 2,
+Granite), applies exactly the decision the vLLM worker makes at the end of the prefill
 (same scorer, same pipeline, same block rule, same sinks/recent window), keeps the selected
 entries per layer and KV head in a ``DynamicCache``, and continues greedily::
 
@@ -44,6 +47,8 @@ Glossary: L prompt tokens, W window queries, K kept per head, Hq/Hkv heads, D he
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +58,7 @@ from torch import Tensor
 
 from obcache_vllm.eviction.messages import EvictionOrder
 from obcache_vllm.eviction.planning import plan_eviction
+from obcache_vllm.eviction.quantized import fp8_format, is_quantized, quantize_like_cpu
 from obcache_vllm.eviction.step import RequestKvState
 from obcache_vllm.options import KvOptions
 from obcache_vllm.scoring import HeadGeometry, Pipeline, RunningScores, Scorer
@@ -64,6 +70,7 @@ __all__ = [
     "generate",
     "load_model",
     "make_scoring",
+    "new_cache",
     "prefill",
     "run_evicting",
     "select_kept",
@@ -143,43 +150,84 @@ def _geometry(model) -> HeadGeometry:
     )
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE as HF Llama applies it (rotate-half), x [1, H, n, D], cos/sin [1, n, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, n, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+@contextlib.contextmanager
+def _capturing_queries(keep: int | None = None):
+    """The queries every attention layer attends with, by layer index: [n, Hq, D] as the model
+    hands them to its attention function (after the projection, any QK-norm and RoPE), the
+    last ``keep`` of the call (None: all). Read at transformers' attention interface, which
+    every decoder dispatches through (eager and SDPA alike), so no architecture's projection
+    layout (fused QKV, norms before RoPE) is restated here."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    captured: dict[int, Tensor] = {}
+    original = ALL_ATTENTION_FUNCTIONS.get_interface
+
+    def get_interface(attn_implementation, default):
+        inner = original(attn_implementation, default)
+
+        def attend(module, query, *args, **kwargs):
+            q = query[0].transpose(0, 1)  # [n, Hq, D]
+            captured[module.layer_idx] = (q if keep is None else q[q.shape[0] - keep :]).clone()
+            return inner(module, query, *args, **kwargs)
+
+        return attend
+
+    ALL_ATTENTION_FUNCTIONS.get_interface = get_interface  # this instance only
+    try:
+        yield captured
+    finally:
+        del ALL_ATTENTION_FUNCTIONS.get_interface
+
+
+@functools.cache
+def _quantizing_cache(fmt: torch.dtype):
+    """A ``DynamicCache`` that stores what vLLM's CPU kernel stores for an fp8 KV cache: every
+    key and value the model writes goes through :func:`quantize_like_cpu` (scale 1.0, vLLM's
+    when the checkpoint ships no scales), and every attention reads those values, as the CPU
+    backend's attention reads the cache for prefill and decode alike."""
+    from transformers import DynamicCache
+
+    class QuantizedKvCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(quantize_like_cpu(key_states, fmt),
+                                  quantize_like_cpu(value_states, fmt), layer_idx, *args,
+                                  **kwargs)  # fmt: skip
+
+    return QuantizedKvCache
+
+
+def new_cache(model, data=None, kv_cache_dtype: str = "auto"):
+    """An HF cache for ``model`` holding ``data`` (per layer (keys, values) [1, Hkv, T, D],
+    taken as they are), storing new entries as a vLLM ``--kv-cache-dtype`` cache would."""
+    from transformers import DynamicCache
+
+    fmt = fp8_format(kv_cache_dtype)
+    if fmt is None and is_quantized(kv_cache_dtype):
+        raise ValueError(f"the reference models fp8 KV caches only, not {kv_cache_dtype!r}")
+    cls = DynamicCache if fmt is None else _quantizing_cache(fmt)
+    return cls(ddp_cache_data=data or None, config=model.config)
 
 
 @torch.inference_mode()
-def prefill(model, input_ids: Tensor, query_window: int = -1) -> Prefill:
+def prefill(model, input_ids: Tensor, query_window: int = -1,
+            kv_cache_dtype: str = "auto") -> Prefill:  # fmt: skip
     """Run the prompt once (full cache) and capture queries, keys and values of every layer.
 
     ``input_ids``: LongTensor [L] or [1, L]. ``query_window``: how many last queries to keep
     per layer (-1: all; ``KvOptions.query_window`` gives what a pipeline needs; 0: none).
+    ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` ("fp8", "fp8_e5m2"): the keys and values
+    are stored, attended and returned as that cache holds them (:func:`new_cache`).
     """
     ids = input_ids.reshape(1, -1).to(model.device)  # [1, L]
     num_tokens = ids.shape[1]
     modules = _attention_modules(model)
     geom = _geometry(model)
     keep = num_tokens if query_window < 0 else min(query_window, num_tokens)
-    captured: dict[int, Tensor] = {}
-
-    def hook(module, args, kwargs):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [1, L, E]
-        cos, sin = kwargs["position_embeddings"]  # [1, L, D] each
-        rows = slice(num_tokens - keep, num_tokens)
-        q = module.q_proj(hidden[:, rows])  # [1, W, Hq*D]
-        q = q.view(1, keep, geom.num_q_heads, geom.head_dim).transpose(1, 2)  # [1, Hq, W, D]
-        q = _rope(q, cos[:, rows], sin[:, rows])  # [1, Hq, W, D]
-        captured[module.layer_idx] = q[0].transpose(0, 1).contiguous()  # [W, Hq, D]
-
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules] if keep else []
-    try:
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with _capturing_queries(keep) as captured:
+        out = model(input_ids=ids, past_key_values=new_cache(model, None, kv_cache_dtype),
+                    use_cache=True, logits_to_keep=1)  # fmt: skip
+    if not keep:
+        captured.clear()
     cache = out.past_key_values
     keys, values = [], []
     for layer in cache.layers[: len(modules)]:
@@ -238,6 +286,7 @@ def generate(
     max_new_tokens: int = 16,
     eos_token_ids: Collection[int] = (),
     rest: Tensor | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[list[int], Tensor]:
     """Greedy continuation from the prefill with only the ``kept`` entries cached per layer.
 
@@ -245,10 +294,9 @@ def generate(
     prefilled ones (``kv_compress_at``): computed in one pass on the compressed cache at their
     true positions, the first new token then comes from their last logits. Returns the tokens
     and the logits [n, V] each was chosen from. Stops after an ``eos_token_ids`` token (none by
-    default: exactly ``max_new_tokens`` tokens).
+    default: exactly ``max_new_tokens`` tokens). ``kv_cache_dtype``: as in :func:`prefill`
+    (give the prefill's).
     """
-    from transformers import DynamicCache
-
     data = []
     for layer, (k, v) in enumerate(zip(state.keys, state.values, strict=True)):
         k_heads, v_heads = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
@@ -257,7 +305,7 @@ def generate(
             k_heads = torch.gather(k_heads, 1, index)  # [Hkv, K, D]
             v_heads = torch.gather(v_heads, 1, index)  # [Hkv, K, D]
         data.append((k_heads.unsqueeze(0).contiguous(), v_heads.unsqueeze(0).contiguous()))
-    cache = DynamicCache(ddp_cache_data=data, config=model.config)
+    cache = new_cache(model, data, kv_cache_dtype)
 
     logits = state.logits
     position = state.length
@@ -301,6 +349,7 @@ def compress_and_generate(
     block_size: int = 32,
     max_new_tokens: int = 16,
     eos_token_ids: Collection[int] = (),
+    kv_cache_dtype: str = "auto",
 ) -> Result:
     """Prefill, evict as vLLM would, and continue greedily.
 
@@ -309,9 +358,11 @@ def compress_and_generate(
     """
     ids = input_ids.reshape(-1)
     point = options.compress_point(ids.numel())
-    state = prefill(model, ids[:point], query_window=options.query_window)
+    state = prefill(model, ids[:point], query_window=options.query_window,
+                    kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     order, kept = select_kept(state, options, block_size)
-    tokens, logits = generate(model, state, kept, max_new_tokens, eos_token_ids, ids[point:])
+    tokens, logits = generate(model, state, kept, max_new_tokens, eos_token_ids, ids[point:],
+                              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     return Result(kept=kept, token_ids=tokens, logits=logits, order=order)
 
 
@@ -359,6 +410,7 @@ def run_evicting(
     eos_token_ids: Collection[int] = (),
     start: Evicting | None = None,
     prompt_len: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> Evicting:
     """The worker's eviction step by step: prefill segments, compress point, decode steps.
 
@@ -390,9 +442,9 @@ def run_evicting(
     The causal key of resident j is its logical slot ``dead * block_size + j``, as in the
     worker: exact whenever every scored query came after the last compaction, which holds
     for decode queries and for prefill windows no longer than the chunk they end.
-    """
-    from transformers import DynamicCache
 
+    ``kv_cache_dtype``: as in :func:`prefill`.
+    """
     ids = input_ids.reshape(-1)
     total = ids.numel()
     length = total if prompt_len is None else prompt_len  # the prompt
@@ -415,26 +467,15 @@ def run_evicting(
     history: list[dict[int, Tensor]] = []
     kept: dict[int, Tensor] = {}
 
-    def hook(module, args, kwargs):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [1, n, E]
-        cos, sin = kwargs["position_embeddings"]  # [1, n, D]
-        n = hidden.shape[1]
-        q = module.q_proj(hidden).view(1, n, geom.num_q_heads, geom.head_dim).transpose(1, 2)
-        captured[module.layer_idx] = _rope(q, cos, sin)[0].transpose(0, 1).contiguous()
-
     def forward(tokens: Tensor, start: int) -> Tensor:
         """Run tokens [n] at positions start.. on the resident cache; returns last logits."""
         data = [(lay.keys.unsqueeze(0), lay.values.unsqueeze(0)) for lay in layers]
-        cache = DynamicCache(ddp_cache_data=data, config=model.config) if data else None
-        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
-        try:
-            positions = torch.arange(start, start + tokens.numel()).unsqueeze(0)
+        cache = new_cache(model, data, kv_cache_dtype)
+        positions = torch.arange(start, start + tokens.numel()).unsqueeze(0)
+        with _capturing_queries() as queries:
             out = model(input_ids=tokens.reshape(1, -1), position_ids=positions,
-                        past_key_values=cache if cache is not None else DynamicCache(
-                            config=model.config), use_cache=True, logits_to_keep=1)  # fmt: skip
-        finally:
-            for handle in handles:
-                handle.remove()
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        captured.update(queries)
         new_pos = torch.arange(start, start + tokens.numel())
         for i, layer in enumerate(out.past_key_values.layers[: len(modules)]):
             k, v = layer.keys[0], layer.values[0]  # [Hkv, T + n, D]

@@ -5,7 +5,11 @@ Usage: ``python pool_runner.py IN.json OUT.json``. IN.json: ``{"engine": {...LLM
 With ``VLLM_PLUGINS=`` (stock) the engine may refuse to start: OUT.json then holds
 ``{"start_error": message}``. Otherwise, per request: the generated token ids, or the
 validation error that refused it (``{"error": message, "param": field}``), and the most blocks
-it held after any step; plus the pool size and whether every block came back.
+it held after any step; plus the pool size and whether every block came back. A request with
+``"after": ID`` is added once request ID has finished. Under the plugin also: each budgeted
+request's outcome (``obcache``, as ``usage.obcache`` reports it), the KV oracle's mismatches
+(``OBCACHE_VLLM_VERIFY=1``), and with ``OBCACHE_VLLM_RECORD_KEEP=1`` the kept positions per
+layer index (``kept``) and the evictions' (length, prefill) (``orders``).
 """
 
 from __future__ import annotations
@@ -39,23 +43,38 @@ def main() -> None:
     pool = scheduler.kv_cache_manager.block_pool
     out["pool_blocks"] = pool.get_num_free_blocks()
     results, engine_ids = {}, {}
-    for r in spec["requests"]:
+    peak: dict[str, int] = {}
+
+    def add(r: dict) -> None:
         params = SamplingParams(
             temperature=0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args")
         )
         try:
             engine_ids[engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]},
                                           params)] = r["id"]  # fmt: skip
+            peak[r["id"]] = 0
         except (ValueError, VLLMValidationError) as exc:
             results[r["id"]] = {"error": str(exc), "param": getattr(exc, "parameter", None)}
-    peak = {rid: 0 for rid in engine_ids.values()}
+
+    # A request with "after": ID is added once request ID has finished (e.g. to adopt the
+    # compressed entry it left).
+    waiting = [r for r in spec["requests"] if r.get("after")]
+    for r in spec["requests"]:
+        if not r.get("after"):
+            add(r)
     steps = 0
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 rid = engine_ids.get(o.request_id, o.request_id)  # engine or client id
                 results[rid] = {"token_ids": list(o.outputs[0].token_ids)}
+                params = o.kv_transfer_params or {}
+                if "obcache" in params:  # a budgeted request's outcome (usage.obcache)
+                    results[rid]["obcache"] = params["obcache"]
         steps += 1
+        for r in [r for r in waiting if r["after"] in results]:
+            waiting.remove(r)
+            add(r)
         for engine_id, rid in engine_ids.items():
             held = sum(1 for b in manager.req_to_blocks.get(engine_id, ()) if not b.is_null)
             peak[rid] = max(peak[rid], held)
@@ -67,6 +86,18 @@ def main() -> None:
     out["finished"] = [
         [r.req_id, r.evictions, r.kept_prompt] for r in scheduler.obcache_finished
     ] if hasattr(scheduler, "obcache_finished") else []
+    out["mismatches"] = [str(m) for m in getattr(scheduler, "obcache_mismatches", ())]
+    runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    records = getattr(getattr(runner, "obcache", None), "records", None)
+    if records:  # OBCACHE_VLLM_RECORD_KEEP=1: kept positions per layer index, orders
+        for engine_id, rid in engine_ids.items():
+            rec = records.get(engine_id, {})
+            results[rid]["kept"] = {
+                name.split("layers.")[1].split(".")[0]: [t.tolist() for t in rows]
+                if isinstance(rows, list) else rows.tolist()
+                for name, rows in rec.items() if name.endswith(":positions")
+            }  # fmt: skip
+            results[rid]["orders"] = [list(o) for o in rec.get(":orders", [])]
     open(sys.argv[2], "w").write(json.dumps(out))
 
 
