@@ -60,6 +60,8 @@ class Workload:
     # A second plugin configuration on the same pool, with these kv_* fields instead (e.g. a
     # fixed budget against an error target), reported beside the first.
     compare_kv: dict | None = None
+    # Engine settings beside the project's (e.g. {"kv_cache_dtype": "fp8"}: bench_kv_dtype.py).
+    engine: dict = field(default_factory=dict)
 
 
 TOVA_KEY = {"kv_pipeline": "tova", "kv_scorer": "obcache_key", "kv_per_head": False}
@@ -129,7 +131,8 @@ def worker(args) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # to read the scheduler each step
     w = Workload(**json.loads(args.workload_json))
     llm = common.engine(args.model, args.pool, w.prompt_tokens + w.max_tokens + 64,
-                        max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.batched_tokens)
+                        max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.batched_tokens,
+                        **w.engine)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     make = common.mixed_prompts if w.mixed else common.prompts

@@ -725,6 +725,7 @@ def main(args) -> int:
         llm = LLM(model=args.model, dtype="float32", enforce_eager=True, block_size=32, seed=0,
                   max_model_len=args.prompt_tokens + args.tokens + 64,
                   max_num_seqs=args.max_batch, max_num_batched_tokens=args.chunk,
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                   logits_processors=[FIDELITY_FQCN], logprobs_mode="raw_logprobs")  # fmt: skip
         samples = samples_with(greedy_replies(llm))
         print(f"fidelity: {len(samples)} prompts x {len(arm_list)} arms", file=sys.stderr)
@@ -743,6 +744,7 @@ def main(args) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "seconds": time.time() - start,
         "kinds": ",".join(args.kinds),
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
         "prompt_tokens": args.prompt_tokens,
         "question_tokens": args.question_tokens,
         "tokens": args.tokens,

@@ -142,6 +142,9 @@ def _fidelity_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: the default model)")
     p.add_argument("--max-batch", type=int, default=64, help="requests in flight at once")
     p.add_argument("--chunk", type=int, default=4096, help="max_num_batched_tokens")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the in-process engine's --kv-cache-dtype (e.g. fp8): every arm and the "
+                   "full-cache reference run on that cache")
     p.add_argument("--out", type=Path, default=Path("results/fidelity"))
     p.add_argument("--report-only", type=Path, default=None,
                    help="re-render the report from a fidelity.json")
