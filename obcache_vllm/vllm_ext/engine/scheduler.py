@@ -59,6 +59,20 @@ logger = logging.getLogger(__name__)
 class OBCacheScheduler(Scheduler):
     """vLLM's ``Scheduler`` with per-request KV eviction (see the module docstring)."""
 
+    def __new__(cls, *args, **kwargs):
+        """vLLM's own ``Scheduler`` for a KV cache of several groups (a hybrid model: sliding-
+        window and global layers, Gemma 2 and 3, GPT-OSS): such a model is served as stock vLLM
+        serves it, and budgets are refused at admission (``frontend/admission.py``) rather than
+        the engine failing to start. EngineCore builds the scheduler with keywords."""
+        config = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
+        if config is not None and len(config.kv_cache_groups) != 1:
+            logger.info("obcache: %d KV-cache groups (a hybrid model): vLLM's own scheduler, "
+                        "budgets refused", len(config.kv_cache_groups))  # fmt: skip
+            plain = Scheduler.__new__(Scheduler)
+            plain.__init__(*args, **kwargs)
+            return plain
+        return super().__new__(cls)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.obcache_ledger = BlockLedger(self.block_size)
