@@ -78,8 +78,8 @@ def test_install_is_idempotent():
 def test_unsupported_configurations_are_named(llm):
     config = llm.llm_engine.vllm_config
     assert support.unsupported_reason(config) is None
+    # Speculative decoding is refused per option (decode-time eviction): test_spec_decode.py.
     cases = {
-        "speculative": dict(speculative_config=SimpleNamespace()),
         "KV connectors": dict(kv_transfer_config=SimpleNamespace()),
     }
     for needle, change in cases.items():

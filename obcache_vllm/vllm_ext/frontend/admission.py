@@ -42,7 +42,11 @@ platform / backend settings       the adapter's own refusals: on CPU a quantized
                                   are served); on CUDA those of FLASH_ATTN (see the GPU
                                   settings in the docs), quantized KV caches included; other
                                   platforms: no adapter
-speculative decoding              rejected drafts roll back KV that may have been compacted
+speculative decoding with        a decode step verifies several draft tokens and rolls
+decode-time eviction (kv_decode,  back the rejected ones: eviction at decode steps was
+pressure, sessions, adakv)        measured inexact (one of four kv_decode requests left
+                                  greedy's tokens); budgets that evict before decoding
+                                  (prompt end, kv_compress_at, prefill chunks) are served
 KV connectors / offloading        they assume positional block contents
 pipeline parallelism              layers (and their compactions) split across stages
 hybrid / attention-free models    several KV groups with different block sizes
@@ -154,8 +158,6 @@ def unsupported_reason(vllm_config) -> str | None:
     reason = platform(vllm_config)
     if reason is not None:
         return reason
-    if vllm_config.speculative_config is not None:
-        return "speculative decoding is not supported with kv_budget"
     if vllm_config.kv_transfer_config is not None:
         return "KV connectors / offloading are not supported with kv_budget"
     parallel = vllm_config.parallel_config
@@ -185,6 +187,36 @@ def unsupported_reason(vllm_config) -> str | None:
     if vllm_config.scheduler_config.async_scheduling:
         return "async scheduling is not supported with kv_budget (--no-async-scheduling)"
     return _bound["scheduler"](vllm_config.scheduler_config)
+
+
+def _speculative_refusal(vllm_config, options) -> tuple[str, object] | None:
+    """(field, value) refused with speculative decoding, or None.
+
+    With speculative decoding a decode step verifies several draft tokens and rolls back the
+    rejected ones. A budget whose evictions all happen before decoding starts (at the prompt's
+    end, a compress point, prefill chunks) never meets a draft, and greedy requests give the
+    tokens they give without drafts (``tests/engine/test_spec_decode.py``). Decode-time
+    eviction would score and compact around tokens that may be rolled back; measured with
+    ngram drafts it left greedy's tokens (one of four ``kv_decode`` requests, the same test
+    with this refusal lifted), so it stays refused: ``kv_decode``, compression under
+    pressure (at any step), sessions (an entry left at a decode step) and pipelines whose
+    heads own their memory (per-head reads of multi-token decode rows are not tested)."""
+    if vllm_config.speculative_config is None:
+        return None
+    if options.decode:
+        return "kv_decode", True
+    if options.when == "pressure":
+        return "kv_when", options.when
+    if options.session:
+        return "kv_session", True
+    if options.heads_own_memory:
+        return "kv_pipeline", options.pipeline
+    return None
+
+
+SPECULATIVE_REFUSAL = ("is not supported with speculative decoding (decode-time eviction is "
+                       "not exact under draft rollback); budgets that evict at the prompt's end "
+                       "are")  # fmt: skip
 
 
 def _heads_memory_reason(vllm_config, options) -> str | None:
@@ -313,6 +345,10 @@ def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, a
     reason = _heads_memory_reason(vllm_config, options)
     if reason is not None:
         raise KvOptionsError("kv_pipeline", reason, options.pipeline)
+    speculative = _speculative_refusal(vllm_config, options)
+    if speculative is not None:
+        field, value = speculative
+        raise KvOptionsError(field, f"{field} {SPECULATIVE_REFUSAL}", value)
     if options.session and not vllm_config.cache_config.enable_prefix_caching:
         raise KvOptionsError(
             "kv_session",
@@ -339,6 +375,7 @@ def join_session(vllm_config, admitted: Admitted, engine_request) -> Admitted:
         or admitted.options.session
         or not request.joins_session()
         or not vllm_config.cache_config.enable_prefix_caching
+        or vllm_config.speculative_config is not None  # a session is refused with drafts
     ):
         return admitted
     from vllm.utils import length_from_prompt_token_ids_or_embeds

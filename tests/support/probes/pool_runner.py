@@ -1,13 +1,16 @@
-"""A prompt longer than the KV pool: run one engine in THIS process and report what it held.
+"""Run one engine in THIS process on a list of requests and report what each held and got.
 
 Usage: ``python pool_runner.py IN.json OUT.json``. IN.json: ``{"engine": {...LLM kwargs...},
 "requests": [{"id": ..., "prompt_token_ids": [...], "max_tokens": n, "extra_args": {...}}]}``.
 With ``VLLM_PLUGINS=`` (stock) the engine may refuse to start: OUT.json then holds
 ``{"start_error": message}``. Otherwise, per request: the generated token ids, or the
 validation error that refused it (``{"error": message, "param": field}``), and the most blocks
-it held after any step; plus the pool size and whether every block came back. A request with
-``"after": ID`` is added once request ID has finished. Under the plugin also: each budgeted
-request's outcome (``obcache``, as ``usage.obcache`` reports it), the KV oracle's mismatches
+it held after any step; plus the pool size and whether every block came back.
+
+A request with ``"after": ID`` is added once request ID has finished. ``"lift":
+["speculative"]`` in IN.json lifts the refusal of decode-time eviction with speculative
+decoding (to measure why it is there). Under the plugin also: each budgeted request's outcome
+(``obcache``, as ``usage.obcache`` reports it), the KV oracle's mismatches
 (``OBCACHE_VLLM_VERIFY=1``), and with ``OBCACHE_VLLM_RECORD_KEEP=1`` the kept positions per
 layer index (``kept``) and the evictions' (length, prefill) (``orders``).
 """
@@ -30,6 +33,10 @@ def main() -> None:
     from vllm.exceptions import VLLMValidationError
 
     spec = json.loads(open(sys.argv[1]).read())
+    if "speculative" in spec.get("lift", ()):  # show what the refusal prevents (tests only)
+        from obcache_vllm.vllm_ext.frontend import admission
+
+        admission._speculative_refusal = lambda vllm_config, options: None
     out: dict = {}
     try:
         llm = LLM(**spec["engine"])
