@@ -56,20 +56,9 @@ def table(w: serving.Workload, rows: dict[str, dict]) -> str:
         f"{json.dumps(w.kv)}; " + ", ".join(f"{k}: {r['pool_blocks']} blocks"
                                             for k, r in rows.items()) + f". {w.note}",
         "",
-        "| config | req/s | out tok/s | max / mean running | preemptions | TTFT p50 / p99 s "
-        "| TPOT p50 / p99 ms | step ms (model + eviction) | kept prompt tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *serving.TABLE_HEAD,
     ]
-    for label, r in rows.items():
-        lines.append(
-            f"| {label} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.1f} "
-            f"| {r['max_running']:.0f} / {r['mean_running']:.1f} | {r['preemptions']:.0f} "
-            f"| {r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f} "
-            f"| {1e3 * r['tpot_p50_s']:.0f} / {1e3 * r['tpot_p99_s']:.0f} "
-            f"| {r['step_ms_mean']:.0f} ({r['model_ms_per_step']:.0f} + "
-            f"{r['eviction_ms_per_step']:.1f}) "
-            f"| {r.get('kept_prompt_tokens_mean', w.prompt_tokens):.0f} |"
-        )
+    lines += [serving.table_row(label, r, w) for label, r in rows.items()]
     ratio = {k: rows["budget, fp8"]["requests_per_s"] / rows[k]["requests_per_s"]
              for k in rows if k != "budget, fp8"}  # fmt: skip
     lines += ["", "Request throughput of budget + fp8, same pool bytes: "

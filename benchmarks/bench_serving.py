@@ -260,6 +260,27 @@ def _median_run(runs: list[dict]) -> dict:
     return out
 
 
+TABLE_HEAD = (
+    "| config | req/s | out tok/s | max / mean running | preemptions | TTFT p50 / p99 s "
+    "| TPOT p50 / p99 ms | decode tok/s | step ms (model + eviction) | kept prompt tokens |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+)
+
+
+def table_row(label: str, r: dict, w: Workload) -> str:
+    """One configuration's row of :data:`TABLE_HEAD`."""
+    return (
+        f"| {label} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.1f} "
+        f"| {r['max_running']:.0f} / {r['mean_running']:.1f} | {r['preemptions']:.0f} "
+        f"| {r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f} "
+        f"| {1e3 * r['tpot_p50_s']:.0f} / {1e3 * r['tpot_p99_s']:.0f} "
+        f"| {r['decode_tokens_per_s']:.1f} "
+        f"| {r['step_ms_mean']:.0f} ({r['model_ms_per_step']:.0f} + "
+        f"{r['eviction_ms_per_step']:.1f}) "
+        f"| {r.get('kept_prompt_tokens_mean', w.prompt_tokens):.0f} |"
+    )
+
+
 def table(name: str, w: Workload, rows: dict[str, dict]) -> str:
     labels = [label for label in rows if "compared" not in label]
     plugin = rows[labels[-1]]
@@ -270,21 +291,9 @@ def table(name: str, w: Workload, rows: dict[str, dict]) -> str:
         f"kv {json.dumps(w.kv)}; " + ", ".join(f"{k}: {r['pool_blocks']} blocks"
                                               for k, r in rows.items()) + f". {w.note}",
         "",
-        "| config | req/s | out tok/s | max / mean running | preemptions | TTFT p50 / p99 s "
-        "| TPOT p50 / p99 ms | decode tok/s | step ms (model + eviction) | kept prompt tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *TABLE_HEAD,
     ]
-    for label, r in rows.items():
-        lines.append(
-            f"| {label} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.1f} "
-            f"| {r['max_running']:.0f} / {r['mean_running']:.1f} | {r['preemptions']:.0f} "
-            f"| {r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f} "
-            f"| {1e3 * r['tpot_p50_s']:.0f} / {1e3 * r['tpot_p99_s']:.0f} "
-            f"| {r['decode_tokens_per_s']:.1f} "
-            f"| {r['step_ms_mean']:.0f} ({r['model_ms_per_step']:.0f} + "
-            f"{r['eviction_ms_per_step']:.1f}) "
-            f"| {r.get('kept_prompt_tokens_mean', w.prompt_tokens):.0f} |"
-        )
+    lines += [table_row(label, r, w) for label, r in rows.items()]
     ratios = [("vs stock, same pool", same)] + ([("vs stock, unlimited", unlimited)]
                                                 if unlimited else [])  # fmt: skip
     lines.append("")

@@ -31,17 +31,12 @@ process's cores, stock vLLM's on the last; the reference runs after them in this
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
-from support.engine import ENGINE_KWARGS, PROBES
+from support.engine import ENGINE_KWARGS, run_pool
 from support.texts import needle_parts
 
 from obcache_vllm.options import parse_kv_options
@@ -78,21 +73,12 @@ def _prompts(tokenizer) -> tuple[list[list[int]], list[int], list[list[int]]]:
     return prompts, contexts, questions
 
 
+# The KV oracle checks every reuse; the worker records the kept positions.
+VERIFY_AND_RECORD = {"OBCACHE_VLLM_VERIFY": "1", "OBCACHE_VLLM_RECORD_KEEP": "1"}
+
+
 def _run(spec: dict, stock: bool, core: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        src.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core, "OBCACHE_VLLM_VERIFY": "1",
-               "OBCACHE_VLLM_RECORD_KEEP": "1"}  # fmt: skip
-        if stock:
-            env["VLLM_PLUGINS"] = ""
-        proc = subprocess.run(
-            [sys.executable, str(PROBES / "pool_runner.py"), str(src), str(dst)],
-            env=env, capture_output=True, text=True, timeout=1500,
-        )  # fmt: skip
-        if proc.returncode != 0 or not dst.exists():
-            raise AssertionError(f"pool_runner failed:\n{proc.stderr[-4000:]}")
-        return json.loads(dst.read_text())
+    return run_pool(spec, stock, core, VERIFY_AND_RECORD)
 
 
 def _requests(prompts, contexts, questions) -> tuple[list[dict], list[dict]]:

@@ -7,16 +7,11 @@ are not built yet). Two fresh engines in subprocesses (``pool_runner.py``), a co
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from support.engine import PROBES
+from support.engine import run_pool
 
 from obcache_vllm import extra_models
 from obcache_vllm.textgen import haystack
@@ -29,19 +24,7 @@ ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=4096, block_siz
 
 
 def _run(spec: dict, stock: bool, core: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        src.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-        if stock:
-            env["VLLM_PLUGINS"] = ""
-        proc = subprocess.run(
-            [sys.executable, str(PROBES / "pool_runner.py"), str(src), str(dst)],
-            env=env, capture_output=True, text=True, timeout=1100,
-        )  # fmt: skip
-        if proc.returncode != 0 or not dst.exists():
-            raise AssertionError(f"pool_runner failed:\n{proc.stderr[-4000:]}")
-        return json.loads(dst.read_text())
+    return run_pool(spec, stock, core, timeout=1100)
 
 
 @pytest.fixture(scope="module")

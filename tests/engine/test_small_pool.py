@@ -13,16 +13,11 @@ never fit: a stock 8K prompt (``max_tokens``), a budgeted one without ``kv_prefi
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from support.engine import PROBES
+from support.engine import run_pool
 from support.texts import haystack
 
 BS, CHUNK, POOL, BUDGET = 32, 512, 128, 512
@@ -33,19 +28,7 @@ ENGINE = dict(
 
 
 def _run(spec: dict, stock: bool, core: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        src.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core}
-        if stock:
-            env["VLLM_PLUGINS"] = ""
-        proc = subprocess.run(
-            [sys.executable, str(PROBES / "pool_runner.py"), str(src), str(dst)],
-            env=env, capture_output=True, text=True, timeout=1500,
-        )  # fmt: skip
-        if proc.returncode != 0 or not dst.exists():
-            raise AssertionError(f"pool_runner failed:\n{proc.stderr[-4000:]}")
-        return json.loads(dst.read_text())
+    return run_pool(spec, stock, core)
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,10 @@ Used by ``tests/engine/test_architectures.py`` (a few families) and ``scripts/ar
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from support.engine import PROBES
+from support.engine import run_pool
 
 BS = 32
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=2048, block_size=BS, seed=0,
@@ -28,22 +23,13 @@ NEW_TOKENS = 16
 
 
 def _engine_run(spec: dict, stock: bool, core: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        src.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core),
-               "OBCACHE_VLLM_RECORD_KEEP": "1", "OBCACHE_VLLM_VERIFY": "1",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
-        if stock:
-            env["VLLM_PLUGINS"] = ""
-        proc = subprocess.run(
-            [sys.executable, str(PROBES / "pool_runner.py"), str(src), str(dst)],
-            env=env, capture_output=True, text=True, timeout=1200,
-        )  # fmt: skip
-        if proc.returncode != 0 or not dst.exists():
-            lines = [x for x in proc.stderr.splitlines() if "Error" in x or "error" in x]
-            return {"start_error": (lines[-1] if lines else proc.stderr[-500:])[-500:]}
-        return json.loads(dst.read_text())
+    env = {"OBCACHE_VLLM_RECORD_KEEP": "1", "OBCACHE_VLLM_VERIFY": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
+    try:
+        return run_pool(spec, stock, core, env, timeout=1200)
+    except AssertionError as exc:  # the engine failed to start or to run: recorded as such
+        lines = [x for x in str(exc).splitlines() if "Error" in x or "error" in x]
+        return {"start_error": (lines[-1] if lines else str(exc)[-500:])[-500:]}
 
 
 def _overlap(a, b) -> float:

@@ -165,6 +165,26 @@ def record_preemptions(engine: Internals, monkeypatch) -> dict[str, list[int]]:
     return seen
 
 
+def run_pool(spec: dict, stock: bool, core: int | str, env: dict | None = None,
+             timeout: float = 1500) -> dict:
+    """One fresh engine in a subprocess (``probes/pool_runner.py``, see there for ``spec`` and
+    what comes back), bound to ``core``; stock vLLM (plugin disabled) when ``stock``. A run
+    that fails before writing its result raises with the end of its stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        src.write_text(json.dumps(spec))
+        run_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
+        if stock:
+            run_env["VLLM_PLUGINS"] = ""
+        proc = subprocess.run(
+            [sys.executable, str(PROBES / "pool_runner.py"), str(src), str(dst)],
+            env=run_env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if proc.returncode != 0 or not dst.exists():
+            raise AssertionError(f"pool_runner failed:\n{proc.stderr[-4000:]}")
+        return json.loads(dst.read_text())
+
+
 class StockReference:
     """Stock vLLM (plugin disabled) in a subprocess that stays up between calls.
 
