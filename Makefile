@@ -138,7 +138,7 @@ bench: setup
 	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --quick --out results/bench-quick
 	PYTHONPATH=. $(PY) benchmarks/bench_long_prefill.py --tokens 2000 --repeats 1
 
-## The measurements quoted in README "Evidence: performance" (about 2 h on one core)
+## The measurements quoted in docs/evidence/performance.md (about 2 h on one core)
 bench-full: setup
 	PYTHONPATH=. $(PY) benchmarks/bench_prefill.py --lengths 2048 4096 --repeats 2
 	PYTHONPATH=. $(PY) benchmarks/bench_decode.py
@@ -172,7 +172,7 @@ VLLM ?= 0.33.0
 compat: setup
 	$(PY) -m obcache_vllm.vllm_ext.compat --vllm $(VLLM) --out results/compat
 
-## Load test against a running server (make serve): SCENARIO=... URL=... (see README "Load test")
+## Load test against a running server (make serve): SCENARIO=... URL=... (see docs/deploying/load_testing.md)
 SCENARIO ?= loadtest/scenarios/mix.yaml
 URL ?= http://127.0.0.1:8000
 loadtest: setup

@@ -34,7 +34,7 @@ from obcache_vllm.evidence.eval.grid import SCORERS, grid
 RESULTS = Path("results/eval")
 COMMON = dict(lengths=[512], seed=0, chat=True, samples=12)
 ALL_TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "vt"]
-# Chosen from the selection stage (README, "Evidence: accuracy"): the 1-query window kept the
+# Chosen from the selection stage (docs/evidence/accuracy.md): the 1-query window kept the
 # needle best at 20 %, and one ranking per layer did not lose to per-head selection anywhere.
 WINDOW, PER_HEAD = 1, False
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Engine checks of obcache-vllm on FLASH_ATTN with vLLM 0.32's CUDA build: one summary table,
-# exit status 1 on a failed check. NOT run by the project yet (see README, "GPUs").
+# exit status 1 on a failed check. NOT run by the project yet (see docs/user_guide/gpus.md).
 #
 # Installs nothing. Needs: a CUDA GPU, a Python with vllm==0.32.0 (CUDA build) and this source
 # tree's dependencies (pip install -e '.[cuda]'), the converted default model
