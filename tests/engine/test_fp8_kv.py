@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from support.engine import ENGINE_KWARGS, run_pool
+from support.engine import ENGINE_KWARGS, kept_overlap, run_pool
 from support.texts import needle_parts
 
 from obcache_vllm.options import parse_kv_options
@@ -149,19 +149,13 @@ def test_unbudgeted_requests_match_stock_vllm_with_the_same_fp8_cache(runs):
         assert plugin["results"][rid]["token_ids"] == result["token_ids"], rid
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """|a ∩ b| / K per KV head, averaged over the heads (rows: kept positions)."""
-    per_head = [len(set(x.tolist()) & set(y.tolist())) / len(x) for x, y in zip(a, b, strict=True)]
-    return sum(per_head) / len(per_head)
-
-
 def _agreement(results, want) -> tuple[dict[str, float], int]:
     """Per request the least kept-set overlap over layers with ``want``'s; continuations equal."""
     overlaps, agreed = {}, 0
     for rid, (kept, tokens) in results.items():
         other_kept, other_tokens = want[rid]
         assert set(kept) == set(other_kept), rid
-        overlaps[rid] = min(_overlap(kept[layer], other_kept[layer]) for layer in kept)
+        overlaps[rid] = min(kept_overlap(kept[layer], other_kept[layer]) for layer in kept)
         agreed += tokens == other_tokens
     return overlaps, agreed
 

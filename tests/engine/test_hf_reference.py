@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.engine import kept_overlap
 from support.texts import needle_parts
 
 from obcache_vllm.eviction.planning import plan_eviction
@@ -319,14 +320,6 @@ def comparison(engine, model_path, tokenizer) -> Comparison:
     return Comparison(prompts=prompts, contexts=contexts, vllm=vllm_runs, hf=hf, seconds=seconds)
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """|a ∩ b| / K per head, averaged over heads (rows are sorted unique indices)."""
-    per_head = [
-        len(set(x.tolist()) & set(y.tolist())) / x.numel() for x, y in zip(a, b, strict=True)
-    ]
-    return sum(per_head) / len(per_head)
-
-
 @pytest.mark.parametrize("combo", [pytest.param(c, id=c) for c in COMBOS])
 def test_vllm_matches_hf_reference(comparison: Comparison, combo: str) -> None:
     vllm_runs, hf_runs = comparison.vllm[combo], comparison.hf[combo]
@@ -352,7 +345,7 @@ def test_vllm_matches_hf_reference(comparison: Comparison, combo: str) -> None:
         assert sorted(v.kept) == sorted(h.kept) == list(range(NUM_LAYERS))
         for layer, kept in v.kept.items():
             assert kept.shape == h.kept[layer].shape == (kept.shape[0], last - dead * BLOCK_SIZE)
-            overlaps.append(_overlap(kept, h.kept[layer]))
+            overlaps.append(kept_overlap(kept, h.kept[layer]))
         assert len(v.tokens) == len(h.tokens) == spec.new_tokens
         if v.tokens == h.tokens:
             same += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from support.engine import run_pool
+from support.engine import kept_overlap, run_pool
 
 BS = 32
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=2048, block_size=BS, seed=0,
@@ -30,11 +30,6 @@ def _engine_run(spec: dict, stock: bool, core: int) -> dict:
     except AssertionError as exc:  # the engine failed to start or to run: recorded as such
         lines = [x for x in str(exc).splitlines() if "Error" in x or "error" in x]
         return {"start_error": (lines[-1] if lines else str(exc)[-500:])[-500:]}
-
-
-def _overlap(a, b) -> float:
-    per_head = [len(set(x.tolist()) & set(y.tolist())) / len(x) for x, y in zip(a, b, strict=True)]
-    return sum(per_head) / len(per_head)
 
 
 def run_family(family, model_dir: Path, prompt: list[int], cores: list[int]) -> dict:
@@ -76,7 +71,7 @@ def run_family(family, model_dir: Path, prompt: list[int], cores: list[int]) -> 
     options = parse_kv_options(BUDGETED, len(prompt))
     result = ref.compress_and_generate(model, torch.tensor(prompt), options, BS, NEW_TOKENS)
     kept = {int(k): torch.tensor(v) for k, v in budget.get("kept", {}).items()}
-    overlaps = [_overlap(kept[layer], want) for layer, want in result.kept.items()
+    overlaps = [kept_overlap(kept[layer], want) for layer, want in result.kept.items()
                 if layer in kept]  # fmt: skip
     row.update(
         freed_blocks=outcome["freed_blocks"], kept_tokens=outcome["prompt_tokens_kept"],

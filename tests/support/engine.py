@@ -165,6 +165,12 @@ def record_preemptions(engine: Internals, monkeypatch) -> dict[str, list[int]]:
     return seen
 
 
+def kept_overlap(a, b) -> float:
+    """|a ∩ b| / K per KV head, averaged over the heads (each row: one head's kept positions)."""
+    per_head = [len(set(x.tolist()) & set(y.tolist())) / len(x) for x, y in zip(a, b, strict=True)]
+    return sum(per_head) / len(per_head)
+
+
 def run_pool(spec: dict, stock: bool, core: int | str, env: dict | None = None,
              timeout: float = 1500) -> dict:
     """One fresh engine in a subprocess (``probes/pool_runner.py``, see there for ``spec`` and
