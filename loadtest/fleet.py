@@ -36,6 +36,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -128,10 +129,15 @@ def chat(url: str, index: int, turns: int, max_tokens: int) -> list[dict]:
 
 
 def plain(url: str, index: int, max_tokens: int) -> dict:
-    """An unbudgeted request (no header: the router's hash of the body picks a worker)."""
+    """An unbudgeted request with its own ``X-Request-ID``, as most clients send.
+
+    Without any id header vllm-router's ``consistent_hash`` hashes the key ``request:`` for a
+    chat request (its log says so; the body is not part of the key on this route): every such
+    request goes to one worker, which would hide whether the fleet spreads load.
+    """
     body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0.0,
             "messages": [{"role": "user", "content": f"Name a colour. ({index})"}]}  # fmt: skip
-    status, got = _post(url, body, {})
+    status, got = _post(url, body, {"X-Request-ID": f"fleet-plain-{index}-{uuid.uuid4().hex[:8]}"})
     return {"chat": None, "turn": None, "status": status, "reused_tokens": 0,
             "error": got.get("error")}  # fmt: skip
 

@@ -21,13 +21,18 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def test_sessions_through_the_router_stick_to_their_worker(server, tmp_path) -> None:
-    # The router hashes each chat's session id onto a ring of the workers' URLs, whose ports
-    # are random: with 3 chats all of them landed on one worker in a CI run (1 in 4 odds) and
-    # "spread" failed. 8 chats of 2 turns (and 4 unbudgeted requests) put that below 1 in 100.
-    report = fleet.launch_and_run(tmp_path, workers=2, chats=8, turns=2, plain_requests=4,
+    # The router hashes each chat's session id (and each plain request's X-Request-ID) onto a
+    # ring of the workers' URLs, whose ports are random. A CI run sent all 20 requests to one
+    # worker: headerless plain requests shared one key then, leaving 9 independent keys (1 in
+    # 256). 8 chats and 8 plain requests with their own ids are 16 keys: 1 in 32,768.
+    report = fleet.launch_and_run(tmp_path, workers=2, chats=8, turns=2, plain_requests=8,
                                   existing=(server.url,), worker_args=TEST_SERVER_ARGS)
     failed = [c for c in report["checks"] if not c["ok"]]
-    assert not failed, (failed, (tmp_path / "router.log").read_text()[-2000:])
+    # The router's own routing decisions, not its shutdown traceback, explain a failure.
+    routed = [line.rsplit("CONSISTENT_HASH_DEBUG: ", 1)[-1]
+              for line in (tmp_path / "router.log").read_text().splitlines()
+              if "mapped to worker" in line]  # fmt: skip
+    assert not failed, (failed, routed)
     assert {c["name"] for c in report["checks"]} == {
         "healthy", "no_5xx", "counted", "spread", "router_agrees", "affinity"}
     assert report["follow_ups"] == 8 and report["follow_ups_continuing"] == 8
