@@ -122,7 +122,7 @@ def render_options() -> str:
 
 def render_rest() -> str:
     from obcache_vllm import config
-    from obcache_vllm.eviction.ledger import USAGE_FIELDS
+    from obcache_vllm.eviction.ledger import KEPT_RULE, USAGE_FIELDS
 
     out = [REST_HEADER, render_options()]
     out.append(
@@ -133,6 +133,7 @@ def render_rest() -> str:
     )
     for key, meaning in USAGE_FIELDS.items():
         out.append(f"| `{key}` | {meaning.replace('|', chr(92) + '|')} |\n")
+    out.append(f"\n{KEPT_RULE[0]}\n\n" + "".join(f"- {item}\n" for item in KEPT_RULE[1:]))
     out.append(
         "\n## `GET /v1/obcache/config`\n\nThe server's scorers, pipelines, request fields, "
         "active defaults and policy (`config_document()` in "

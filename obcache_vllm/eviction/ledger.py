@@ -406,9 +406,12 @@ class RequestBlocks:
         if self.options.compress_at is not None:
             outcome["compress_at"] = self.options.compress_at
         if self.options.max_error is not None:
+            # A target's budget is what it chose; its floor is named as such.
+            outcome["budget_floor"] = outcome.pop("budget")
             outcome["max_error"] = self.options.max_error
             if self.chosen is not None:
                 outcome["chosen_budget"], outcome["estimated_error"] = self.chosen
+                outcome["budget"] = outcome["chosen_budget"]
         start = self.start
         if start is not None and not start.compressed:
             outcome["cached_tokens"] = start.tokens
@@ -439,8 +442,11 @@ USAGE_FIELDS: dict[str, str] = {
     "prompt_tokens_kept": "prompt tokens left by the prefill eviction (`budget <= kept < "
     "budget + block size`), per KV head (with `kv_pipeline: adakv`, the mean over the heads); "
     "the prompt's length when nothing was evicted",
-    "budget": "the budget used, in tokens (a fractional `kv_budget` resolved against the "
-    "prompt, or against `kv_compress_at`; for an error target, its floor)",
+    "budget": "the budget applied, in tokens per layer and KV head (a fractional `kv_budget` "
+    "resolved against the prompt, or against `kv_compress_at`; for an error target, the "
+    "budget it chose, absent when it chose none)",
+    "budget_floor": "an error target's floor in tokens: its `min` (default `kv_sinks + "
+    "kv_recent + 1`); it never keeps fewer",
     "max_error": "an error target's `max_error`",
     "chosen_budget": "an error target's choice: the tokens it kept per layer and KV head at the "
     "prompt's end (absent: no block could go, nothing was chosen)",
@@ -461,6 +467,25 @@ USAGE_FIELDS: dict[str, str] = {
     "uncompressed (`stage: reason`)",
     "requests": "a completion with several prompts: how many (the counts above are summed)",
 }
+
+# How ``prompt_tokens_kept`` relates to ``budget`` (rendered with USAGE_FIELDS in the REST
+# reference; tests/engine/test_outcome.py checks each case on the real engine).
+KEPT_RULE = (
+    "Only whole blocks are freed, so with a fixed budget `budget <= prompt_tokens_kept < budget "
+    "+ block size` (32 tokens on `obcache-vllm serve`; the offline `LLM` defaults to vLLM's CPU "
+    "block of 128). Exceptions:",
+    "a prompt no longer than `budget` keeps all of it (`prompt_tokens_kept` = `prompt_tokens`, "
+    "`evicted_tokens` 0);",
+    "an error target: `budget` is the count it chose and `prompt_tokens_kept` equals it (whole "
+    "blocks, from `budget_floor` up); no `budget` when no count met the target;",
+    "`kv_compress_at`: the budget applies to the first `compress_at` tokens; the prompt's tokens "
+    "after them are kept whole, so `budget <= prompt_tokens_kept - (prompt_tokens - compress_at)"
+    " < budget + block size`;",
+    "`kv_pipeline: adakv`: each KV head keeps its own count; `prompt_tokens_kept` is the mean "
+    "over the heads, which may fall anywhere between the heads' least and greatest counts;",
+    "a continued session or an adopted entry (`reused_tokens`): the kept count of the reused "
+    "cache plus the new prompt tokens, compressed again at the prompt's end as above.",
+)
 
 @dataclass(frozen=True)
 class FinishedKvRecord:

@@ -44,3 +44,47 @@ def test_unbudgeted_output_carries_nothing(llm) -> None:
 
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.kv_transfer_params is None
+
+
+def test_the_kept_count_follows_the_documented_rule_in_every_mode(llm) -> None:
+    """``ledger.KEPT_RULE`` (rendered in the REST reference) on the real engine: a fixed
+    budget keeps ``budget <= kept < budget + 32``; a short prompt keeps everything; an error
+    target's ``budget`` is its choice and its floor is ``budget_floor``; with
+    ``kv_compress_at`` the tail after the point is kept whole; adakv reports the mean over
+    heads."""
+    from vllm import SamplingParams
+
+    prompt = haystack(20, seed=12)
+    n = len(llm.get_tokenizer()(prompt)["input_ids"])
+    cases = {
+        "fixed": {"kv_budget": 100},
+        "short": {"kv_budget": n + 50},
+        "target": {"kv_budget": {"max_error": 0.05}, "kv_scorer": "attn", "kv_pipeline": "tova"},
+        "compress_at": {"kv_budget": 64, "kv_compress_at": n - 40},
+        "adakv": {"kv_budget": 96, "kv_pipeline": "adakv"},
+    }
+    outs = llm.generate(
+        [prompt] * len(cases),
+        [SamplingParams(temperature=0, max_tokens=2, extra_args=x) for x in cases.values()],
+        use_tqdm=False,
+    )
+    kv = {name: o.kv_transfer_params["obcache"] for name, o in zip(cases, outs, strict=True)}
+    assert all(len(o.prompt_token_ids) == n for o in outs)
+
+    fixed = kv["fixed"]
+    assert fixed["budget"] <= fixed["prompt_tokens_kept"] < fixed["budget"] + BS, fixed
+    assert "budget_floor" not in fixed
+
+    short = kv["short"]
+    assert short["prompt_tokens_kept"] == n and short["evicted_tokens"] == 0, short
+
+    target = kv["target"]
+    assert target["budget"] == target["chosen_budget"] == target["prompt_tokens_kept"], target
+    assert target["budget_floor"] <= target["budget"] < n and (n - target["budget"]) % BS == 0
+
+    at = kv["compress_at"]
+    tail = n - at["compress_at"]
+    assert at["budget"] <= at["prompt_tokens_kept"] - tail < at["budget"] + BS, at
+
+    ada = kv["adakv"]
+    assert ada["evicted_tokens"] > 0 and ada["prompt_tokens_kept"] < n, ada

@@ -189,7 +189,8 @@ def test_an_error_target_chooses_its_budget_and_reports_it(server: Server) -> No
         kv = _obcache_usage(reply.usage)
         n = reply.usage.prompt_tokens
         assert kv["max_error"] == e and 0 <= kv["estimated_error"] <= e
-        assert kv["prompt_tokens_kept"] == kv["chosen_budget"]
+        assert kv["prompt_tokens_kept"] == kv["chosen_budget"] == kv["budget"]
+        assert kv["budget_floor"] <= kv["budget"]
         assert (n - kv["chosen_budget"]) % BLOCK == 0
         assert kv["freed_blocks"] * BLOCK == n - kv["chosen_budget"]
         chosen[e] = kv["chosen_budget"]
