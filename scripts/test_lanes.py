@@ -9,6 +9,12 @@ file is done). The exit status is the worse of the two; under ``CI=true`` the tw
 records (``lane-0.json``, ``lane-1.json`` in .ci/last-run/) are merged into the run's
 ``suite.json`` there, whose ``seconds`` is this command's wall time. With fewer than two
 cores it runs one plain session.
+
+The suite has a time limit: CI gives setup and suite 35 minutes on 2 cores, so a whole run
+(no test selection in the arguments) that takes more than 37 minutes of pytest in two lanes, or
+60 minutes as one session on one core, fails with a line saying so, even when every test
+passed: a slow suite is caught the day it slows, not when CI times out.
+``OBCACHE_SUITE_LIMIT_MINUTES`` overrides the limit (0: none).
 """
 
 from __future__ import annotations
@@ -26,6 +32,20 @@ ROOT = Path(__file__).resolve().parents[1]
 LAST_RUN = ROOT / ".ci" / "last-run"
 sys.path.insert(0, str(ROOT / "tests"))
 from support.lanes import CLAIMS_ENV, LANE_ENV, suite_cores  # noqa: E402
+
+LIMIT_MINUTES = {2: 37.0, 1: 60.0}  # by lanes
+
+
+def over_limit(seconds: float, lanes: int, argv: list[str]) -> str | None:
+    """Why a run of ``seconds`` broke the suite's time limit, or None. Only a whole run is
+    held to it: arguments that select tests (paths, ``-k``, ``-m``) run a part."""
+    if any(not a.startswith("-") or a in ("-k", "-m") for a in argv):
+        return None
+    limit = float(os.environ.get("OBCACHE_SUITE_LIMIT_MINUTES", LIMIT_MINUTES[lanes]))
+    if limit and seconds > limit * 60:
+        return (f"suite: {seconds / 60:.1f} min of pytest in {lanes} lane(s), over the "
+                f"{limit:.0f}-minute limit: FAILED (CI: setup + suite 35 minutes)")  # fmt: skip
+    return None
 
 
 def _merge(records: list[dict], seconds: float) -> dict:
@@ -61,7 +81,14 @@ def main(argv: list[str]) -> int:
     cores = suite_cores()
     pytest = [sys.executable, "-m", "pytest", *argv]
     if len(cores) < 2:
-        return subprocess.call(pytest, cwd=ROOT)
+        started = time.monotonic()
+        code = subprocess.call(pytest, cwd=ROOT)
+        seconds = time.monotonic() - started
+        print(f"suite: {seconds:.0f} s ({seconds / 60:.1f} min) of pytest in one session")
+        late = over_limit(seconds, 1, argv)
+        if late:
+            print(late)
+        return code or (1 if late else 0)
     claims = Path(tempfile.mkdtemp(prefix="obcache-lanes-"))
     for old in LAST_RUN.glob("lane-*.json"):
         old.unlink()
@@ -107,7 +134,10 @@ def main(argv: list[str]) -> int:
             return max(codes) or 1
         (LAST_RUN / "suite.json").write_text(json.dumps(merged, indent=1) + "\n")
         print(f"suite record: {LAST_RUN / 'suite.json'}")
-    return max(codes)
+    late = over_limit(seconds, 2, argv)
+    if late:
+        print(late)
+    return max(codes) or (1 if late else 0)
 
 
 if __name__ == "__main__":

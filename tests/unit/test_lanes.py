@@ -130,3 +130,24 @@ def test_two_lanes_run_each_file_once(tmp_path: Path):
     for f in files:
         assert runs[f] == sum(line.startswith(f + "::") for line in one_each.splitlines())
     assert "lanes: exit [0, 0]" in out
+
+
+def test_a_whole_run_past_its_time_limit_fails_and_says_so(monkeypatch):
+    """The suite's time limit (scripts/test_lanes.py): 37 minutes in two lanes, 60 in one;
+    a run that selects tests is not held to it; the variable overrides it (0: none)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lanes_script", REPO / "scripts/test_lanes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.delenv("OBCACHE_SUITE_LIMIT_MINUTES", raising=False)
+    assert script.over_limit(36 * 60, 2, []) is None
+    late = script.over_limit(38 * 60, 2, ["-q", "-rA"])
+    assert late is not None and "over the 37-minute limit: FAILED" in late
+    assert script.over_limit(38 * 60, 1, []) is None
+    assert "60-minute" in script.over_limit(61 * 60, 1, [])
+    assert script.over_limit(99 * 60, 2, ["tests/unit"]) is None  # a part of the suite
+    monkeypatch.setenv("OBCACHE_SUITE_LIMIT_MINUTES", "0")
+    assert script.over_limit(99 * 60, 2, []) is None
+    monkeypatch.setenv("OBCACHE_SUITE_LIMIT_MINUTES", "1")
+    assert script.over_limit(61, 2, []) is not None
