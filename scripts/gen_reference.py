@@ -14,6 +14,7 @@ tests/unit/test_docs.py runs the check, so the pages cannot drift from the code.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -134,6 +135,7 @@ def render_rest() -> str:
     for key, meaning in USAGE_FIELDS.items():
         out.append(f"| `{key}` | {meaning.replace('|', chr(92) + '|')} |\n")
     out.append(f"\n{KEPT_RULE[0]}\n\n" + "".join(f"- {item}\n" for item in KEPT_RULE[1:]))
+    out.append(render_usage_examples())
     out.append(
         "\n## `GET /v1/obcache/config`\n\nThe server's scorers, pipelines, request fields, "
         "active defaults and policy (`config_document()` in "
@@ -141,6 +143,25 @@ def render_rest() -> str:
         "`request_fields`, `defaults`, `policy` (`default_budget`, `when`, "
         f"`{config.MIN_PROMPT_KEY}`, `{config.COMPRESS_AT_KEY}`, `opt_out`), `usage_field`.\n"
     )
+    return "".join(out)
+
+
+def render_usage_examples() -> str:
+    """One ``usage.obcache`` per mode, as the engine reported it (results/usage/examples.json,
+    compared with the engine by tests/engine/test_outcome.py)."""
+    path = ROOT / "results" / "usage" / "examples.json"
+    examples = json.loads(path.read_text())
+    titles = {"fixed": "A fixed budget", "short": "A prompt shorter than its budget",
+              "target": "An error target", "compress_at": "`kv_compress_at`",
+              "adakv": "`kv_pipeline: adakv`"}  # fmt: skip
+    n = {e["prompt_tokens"] for e in examples.values()}
+    out = [f"\n### Examples\n\nThe same {min(n)}-token prompt in each mode, on the offline `LLM` "
+           "with the built-in defaults (`results/usage/examples.json`, which "
+           "`tests/engine/test_outcome.py` compares with the engine's replies):\n"]  # fmt: skip
+    for name, example in examples.items():
+        fields = json.dumps(example["request"])
+        out.append(f"\n{titles.get(name, name)}, `{fields[1:-1]}`:\n\n```json\n"
+                   f"{json.dumps(example['obcache'])}\n```\n")  # fmt: skip
     return "".join(out)
 
 

@@ -6,7 +6,17 @@ The scheduler puts it on every engine output of a budgeted request
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from support.texts import haystack
+
+# One reply per mode, shown in the REST reference (scripts/gen_reference.py); the test below
+# compares it with the engine's (OBCACHE_WRITE_EXAMPLES=1 rewrites it).
+EXAMPLES = Path(__file__).resolve().parents[2] / "results" / "usage" / "examples.json"
+# Modes whose kept counts follow the scores (not block arithmetic alone): compared by key.
+SCORE_DEPENDENT = {"target", "adakv"}
 
 BS = 32
 
@@ -64,7 +74,8 @@ def test_the_kept_count_follows_the_documented_rule_in_every_mode(llm) -> None:
         "adakv": {"kv_budget": 96, "kv_pipeline": "adakv"},
     }
     outs = llm.generate(
-        [prompt] * len(cases),
+        # a cache salt each: no request reads another's blocks from the prefix cache
+        [{"prompt": prompt, "cache_salt": f"rule-{name}"} for name in cases],
         [SamplingParams(temperature=0, max_tokens=2, extra_args=x) for x in cases.values()],
         use_tqdm=False,
     )
@@ -88,3 +99,16 @@ def test_the_kept_count_follows_the_documented_rule_in_every_mode(llm) -> None:
 
     ada = kv["adakv"]
     assert ada["evicted_tokens"] > 0 and ada["prompt_tokens_kept"] < n, ada
+
+    examples = {name: {"request": cases[name], "prompt_tokens": n, "obcache": kv[name]}
+                for name in cases}  # fmt: skip
+    if os.environ.get("OBCACHE_WRITE_EXAMPLES") == "1":
+        EXAMPLES.parent.mkdir(parents=True, exist_ok=True)
+        EXAMPLES.write_text(json.dumps(examples, indent=1) + "\n")
+    shown = json.loads(EXAMPLES.read_text())
+    assert shown.keys() == examples.keys()
+    for name, example in examples.items():
+        assert shown[name]["request"] == example["request"], name
+        assert shown[name]["obcache"].keys() == example["obcache"].keys(), name
+        if name not in SCORE_DEPENDENT:
+            assert shown[name] == example, (name, shown[name], example)
