@@ -10,12 +10,19 @@ also work when the Markdown is read on GitHub. ``results/`` is outside ``docs_di
   validates them (a missing file is still a broken link: ``mkdocs build --strict`` fails).
 
 Tables are included with ``pymdownx.snippets`` (``--8<-- "results/..."``) and need no hook.
+
+``on_page_markdown`` also strips the figures' source annotations (``scripts/figures.py``: the
+``<!--f1-->`` markers, the ``<!--figs ...-->`` blocks of definitions, the older inline
+``<!--fig ...-->``) before the page renders: the HTML carries none of them, and a block inside a
+list item does not turn a tight list loose (Python-Markdown would make it a raw HTML block).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import posixpath
 import re
+from functools import cache
 from pathlib import Path
 
 from mkdocs.structure.files import File
@@ -25,6 +32,16 @@ LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
 
 def _root(config) -> Path:
     return Path(config.config_file_path).resolve().parent
+
+
+@cache
+def _figures(root: Path):
+    """``scripts/figures.py``, the one place that knows the annotations' syntax."""
+    path = root / "scripts" / "figures.py"
+    spec = importlib.util.spec_from_file_location("obcache_docs_figures", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _results_target(root: Path, page_src: str, target: str) -> str | None:
@@ -63,4 +80,4 @@ def on_page_markdown(markdown, page, config, files):
             return match.group(0)
         return match.group(1) + posixpath.relpath(target, page_dir or ".") + match.group(3)
 
-    return LINK.sub(rewrite, markdown)
+    return LINK.sub(rewrite, _figures(root).strip(markdown))

@@ -12,6 +12,7 @@ No network, no vLLM import.
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import re
@@ -124,6 +125,15 @@ def test_the_site_builds_strictly_and_serves_the_linked_results(tmp_path: Path) 
     assert ".md-typeset__table table:not([class])" in css and "overflow-wrap: anywhere" in css
     page = (site / "evidence" / "fidelity" / "index.html").read_text()
     assert "stylesheets/extra.css" in page
+    # The figures' source annotations (scripts/figures.py) are stripped by docs/hooks.py: no
+    # page carries one, outside the code that shows the syntax.
+    shown = [
+        str(html.relative_to(site))
+        for html in site.rglob("*.html")
+        if re.search(r"(?:<|&lt;)!--(?:figs?\b|f\d+--)",
+                     re.sub(r"<(code|pre)\b.*?</\1>", "", html.read_text(), flags=re.S))
+    ]  # fmt: skip
+    assert not shown, f"figure annotations left in the built pages: {shown}"
 
 
 def test_every_included_or_linked_results_file_exists() -> None:
@@ -165,7 +175,8 @@ def test_every_metric_named_is_one_obcache_vllm_defines() -> None:
 
 
 def test_the_readme_is_short() -> None:
-    lines = README.read_text(encoding="utf-8").splitlines()
+    # as a reader sees it: the figures' <!--figs ...--> blocks of sources (invisible) not counted
+    lines = _figures_module().strip(README.read_text(encoding="utf-8")).splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most 200)"
 
 
@@ -315,6 +326,7 @@ def test_the_reference_pages_are_generated_from_the_code() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@functools.cache
 def _figures_module():
     import importlib.util
 
@@ -370,13 +382,15 @@ UNTRACED = {  # (page, figure): how many times it may appear without a source, a
 def _untraced_figures(page: Path) -> list[tuple[int, str]]:
     """``(line, figure)`` for every measured-looking figure of ``page`` with no source."""
     found, fenced = [], False
-    for n, line in enumerate(page.read_text().splitlines(), start=1):
+    # blocks of definitions (<!--figs ... -->) hold sources, not figures: blanked, lines kept
+    blank = _figures_module().BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text())
+    for n, line in enumerate(blank.splitlines(), start=1):
         if line.strip().startswith(("```", "~~~")):
             fenced = not fenced
             continue
         if fenced or line.lstrip().startswith("--8<--") or COMMAND.search(line):
             continue
-        text = re.sub(r"\d[\d,.]*<!--fig.*?-->", "@", line)  # an annotated figure
+        text = re.sub(r"\d[\d,.]*<!--(?:fig .*?|f\d+)-->", "@", line)  # an annotated figure
         text = re.sub(r"<!--.*?-->|`[^`]*`|\]\([^)]*\)", "", text)  # comments, code, link targets
         for m in MEASURED.finditer(text):
             before = text[: m.start()]
@@ -403,8 +417,10 @@ def test_every_measured_looking_figure_carries_its_source() -> None:
 
 
 def test_every_annotated_figure_equals_its_source() -> None:
-    """Figures carrying ``<!--fig PATH KEYS SPEC [xN]-->`` equal what their results file
-    gives (scripts/figures.py --write rewrites them after a rerun)."""
+    """Figures carrying a marker ``<!--f1-->`` defined in a block (``f1: PATH KEYS SPEC [xN]``)
+    or the inline ``<!--fig PATH KEYS SPEC [xN]-->`` equal what their results file gives
+    (scripts/figures.py --write rewrites them after a rerun); every marker has a definition and
+    every definition a marker."""
     figures = _figures_module()
     assert figures.count() >= 20
     bad = figures.check()
@@ -486,3 +502,155 @@ def test_figures_derive_ranges_medians_and_cross_file_ratios(tmp_path: Path) -> 
     for bad in ("arms|*|kl", "median:arms|*|kl::results/b.json#rows|*|acc", "rows|m=p|acc"):
         with pytest.raises(KeyError):
             value(bad)
+
+
+def _results(tmp_path: Path) -> None:
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text(
+        '{"a": {"x": [0.8523, 3], "y": [2.0, 5]}, "n": 1602, "k": 2}')
+
+
+def test_figures_with_markers_and_blocks_are_checked_and_rewritten(tmp_path: Path) -> None:
+    """A marker ``<!--f1-->`` after the figure, its source in the ``<!--figs`` block at the end
+    of the paragraph, or after the table (a blank line between) whose row holds the figure."""
+    figures = _figures_module()
+    _results(tmp_path)
+    text = ("Kept 85<!--f1--> % of 1,602<!--f2--> tokens, -0.5<!--f3--> off.\n<!--figs\n"
+            "f1: results/r.json a|x|0 .0f x100\nf2: results/r.json n ,d\n"
+            "f3: results/r.json a|x|1 +.1f\n-->\n\n| arm | kept |\n|---|---|\n| x | 3<!--f4--> |\n"
+            "\n<!--figs\nf4: results/r.json a|x|1 d\n-->\n")  # fmt: skip
+    found = [(f.num, want, f.id) for f, want in figures.figures(text, tmp_path)]
+    assert found == [("85", "85", "f1"), ("1,602", "1,602", "f2"), ("-0.5", "+3.0", "f3"),
+                     ("3", "3", "f4")]  # fmt: skip
+    fixed = figures.rewrite(text, tmp_path)
+    assert fixed == text.replace("-0.5<!--f3-->", "+3.0<!--f3-->")
+    assert figures.strip(fixed) == ("Kept 85 % of 1,602 tokens, +3.0 off.\n\n"
+                                    "| arm | kept |\n|---|---|\n| x | 3 |\n\n")  # fmt: skip
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(fixed)
+    (tmp_path / "docs" / "p.md").write_text(text)
+    assert figures.check(tmp_path) == [
+        "docs/p.md:1: -0.5 but results/r.json a|x|1 gives +3.0"]
+    assert figures.count(tmp_path) == 8
+
+
+def test_a_marker_or_a_definition_without_its_counterpart_is_an_error(tmp_path: Path) -> None:
+    figures = _figures_module()
+    _results(tmp_path)
+    define = "<!--figs\nf1: results/r.json k d\n"
+    cases = {
+        f"2<!--f1--> and 2<!--f2-->\n{define}-->\n": "marker f2 has no definition",
+        f"2<!--f1-->\n{define}f2: results/r.json k d\n-->\n": "definition f2 marks no figure",
+        f"2<!--f1--> and 2<!--f1-->\n{define}-->\n": "f1 marks two figures",
+        f"2<!--f1-->\n{define}f1: results/r.json k d\n-->\n": "f1 is defined twice",
+        "2<!--f1-->\n<!--figs\nf1: results/r.json n\n-->\n": "not a definition",
+        f"two<!--f1-->\n{define}-->\n": "marker f1 follows no number",
+        "2<!--fig results/r.json-->\n": "unreadable annotation",
+        "2<!--figs f1: results/r.json k d-->\n": "unreadable annotation",
+    }
+    for text, problem in cases.items():
+        _, errors = figures.parse(text)
+        assert any(problem in msg for _, msg in errors), (text, errors)
+        with pytest.raises(ValueError, match=problem):
+            figures.rewrite(text, tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("Nothing measured.\n")
+    (tmp_path / "docs" / "p.md").write_text(f"# P\n\n2<!--f1--> and 2<!--f2-->\n{define}-->\n")
+    assert figures.check(tmp_path) == [
+        "docs/p.md:3: marker f2 has no definition in a <!--figs block"]
+    # Code shows the syntax without being a figure.
+    assert figures.parse("`1.8<!--f1-->x` and\n```\n2<!--f2-->\n```\n") == ([], [])
+
+
+SAMPLE_PAGE = """# Page
+
+The run kept 85<!--fig results/r.json a|x|0 .0f x100--> % of
+the 1,602<!--fig results/r.json n ,d--> tokens, a range 0.85<!--fig results/r.json min:a|*|0 .2f-->-5<!--fig
+results/r.json max:a|*|1 d--> (the syntax: `1<!--fig results/r.json n d-->`).
+
+- first item 3<!--fig results/r.json a|x|1 d-->
+  goes on
+- second item, no figure
+    - nested 1,602<!--fig results/r.json n ,d-->x
+
+!!! note "A run"
+    An admonition: 2.0<!--fig results/r.json a|y|0 .1f-->x.
+
+| arm | kept | n |
+|---|---|---|
+| x | 85<!--fig results/r.json a\\|x\\|0 .0f x100--> % | 3<!--fig results/r.json a\\|x\\|1 d--> |
+Closing.
+
+```text
+2<!--fig results/r.json n d--> in a fence stays
+```
+"""  # noqa: E501
+
+CONVERTED_PAGE = """# Page
+
+The run kept 85<!--f1--> % of
+the 1,602<!--f2--> tokens, a range 0.85<!--f3-->-5<!--f4--> (the syntax: `1<!--fig results/r.json n d-->`).
+<!--figs
+f1: results/r.json a|x|0 .0f x100
+f2: results/r.json n ,d
+f3: results/r.json min:a|*|0 .2f
+f4: results/r.json max:a|*|1 d
+-->
+
+- first item 3<!--f5-->
+  goes on
+  <!--figs
+  f5: results/r.json a|x|1 d
+  -->
+- second item, no figure
+    - nested 1,602<!--f6-->x
+      <!--figs
+      f6: results/r.json n ,d
+      -->
+
+!!! note "A run"
+    An admonition: 2.0<!--f7-->x.
+    <!--figs
+    f7: results/r.json a|y|0 .1f
+    -->
+
+| arm | kept | n |
+|---|---|---|
+| x | 85<!--f8--> % | 3<!--f9--> |
+Closing.
+
+<!--figs
+f8: results/r.json a|x|0 .0f x100
+f9: results/r.json a|x|1 d
+-->
+
+```text
+2<!--fig results/r.json n d--> in a fence stays
+```
+"""  # noqa: E501
+
+
+def test_convert_moves_inline_sources_into_blocks_and_changes_nothing_else(tmp_path: Path) -> None:
+    """``--convert``: each inline source becomes a marker and a definition in the block of its
+    paragraph, list item (indented to stay in it), admonition or table (after it, ``\\|`` no
+    longer escaped); the figures check exactly as before, the prose reads the same, code keeps
+    its examples, and converting again changes nothing."""
+    figures = _figures_module()
+    _results(tmp_path)
+    converted = figures.convert(SAMPLE_PAGE)
+    assert converted == CONVERTED_PAGE
+    assert figures.convert(converted) == converted
+    before = [(f.num, want) for f, want in figures.figures(SAMPLE_PAGE, tmp_path)]
+    after = [(f.num, want) for f, want in figures.figures(converted, tmp_path)]
+    assert before == after and len(after) == 9
+    assert all(num == want for num, want in after)
+    blank_runs = lambda text: re.sub(r"\n\n+", "\n\n", text)  # noqa: E731
+    assert blank_runs(figures.strip(converted)) == blank_runs(figures.strip(SAMPLE_PAGE))
+    # A page mid-edit: a new inline figure in a converted paragraph joins that paragraph's block
+    # under the next free id; both forms check side by side.
+    edited = converted.replace("goes on\n", "goes on, 1,602<!--fig results/r.json n ,d-->\n")
+    assert [f.id for f, _ in figures.figures(edited, tmp_path)].count(None) == 1
+    again = figures.convert(edited)
+    assert "goes on, 1,602<!--f10-->\n  <!--figs\n  f5: results/r.json a|x|1 d\n" \
+           "  f10: results/r.json n ,d\n  -->\n" in again
+    assert not figures.parse(again)[1] and len(list(figures.figures(again, tmp_path))) == 10
