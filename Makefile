@@ -182,7 +182,8 @@ loadtest: setup
 loadtest-compare: setup
 	$(PY) -m loadtest compare loadtest/scenarios/compare.yaml --out results/loadtest/compare $(ARGS)
 
-## The long soak of issue #12 (its own server; exit status 1 when an end-of-run check fails)
+## The long soak: mixed budgets, faults and preemption on a small pool, about 15 minutes on one
+## core (its own server; exit status 1 when an end-of-run check fails; docs/deploying/soak.md)
 soak: setup
 	$(PY) -m loadtest run loadtest/scenarios/soak.yaml --launch --out results/loadtest/soak $(ARGS)
 
