@@ -179,7 +179,13 @@ def run_pool(spec: dict, stock: bool, core: int | str, env: dict | None = None,
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
         src.write_text(json.dumps(spec))
-        run_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
+        run_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+        if spec.get("engine", {}).get("num_gpu_blocks_override"):
+            # A pool of a few hundred blocks needs far less than the suite's 2 GiB default,
+            # which vLLM checks against the node's free memory at start-up: a CI run with a
+            # Gemma engine in the other lane left 1.95 GiB and a stock engine failed to start.
+            run_env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        run_env.update(env or {})
         if stock:
             run_env["VLLM_PLUGINS"] = ""
         proc = subprocess.run(
