@@ -654,3 +654,36 @@ def test_convert_moves_inline_sources_into_blocks_and_changes_nothing_else(tmp_p
     assert "goes on, 1,602<!--f10-->\n  <!--figs\n  f5: results/r.json a|x|1 d\n" \
            "  f10: results/r.json n ,d\n  -->\n" in again
     assert not figures.parse(again)[1] and len(list(figures.figures(again, tmp_path))) == 10
+
+
+def test_the_readme_options_table_lists_every_option_with_its_built_in_default() -> None:
+    """The README's one-screen options table is a summary of ``obcache_vllm.options.OPTIONS``
+    (the REST reference is generated from them): every request field is in it, and its
+    "built-in default" cell names the option's default, so the summary cannot drift."""
+    from obcache_vllm.options import OPTIONS, REQUIRED
+
+    text = README.read_text(encoding="utf-8")
+    table = text[text.index("## Options"):text.index("## What it does")]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            for name in re.findall(r"`(kv_\w+)`", cells[0]):
+                rows[name] = cells[2]
+    missing = [spec.field for spec in OPTIONS if spec.field not in rows]
+    assert not missing, f"README's options table lacks {missing}"
+
+    def shown(value) -> str:
+        if value is REQUIRED or value is None:
+            return ""
+        if isinstance(value, bool):
+            return str(value).lower()
+        return str(value)
+
+    wrong = []
+    for spec in OPTIONS:
+        expected = shown(spec.default)
+        if expected and expected not in rows[spec.field]:
+            wrong.append(f"{spec.field}: README says {rows[spec.field]!r}, the default is "
+                         f"{spec.default!r}")  # fmt: skip
+    assert not wrong, "\n".join(wrong)
