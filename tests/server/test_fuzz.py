@@ -94,11 +94,15 @@ PLAUSIBLE.update({
 })  # fmt: skip
 assert set(PLAUSIBLE) == set(WIRE_FIELDS)
 # Neither a session nor compression under pressure can carry h2o's sums, nor combine with
-# kv_compress_at / kv_prefill_evict (or each other): (field, value that opts in) -> conflicts.
+# kv_compress_at / kv_prefill_evict (or each other); adakv evicts once, into a per-head layout
+# nothing else reads (options._refuse_heads_memory): (field, value that opts in) -> conflicts.
 CONFLICTS = {
     ("kv_session", True): {"kv_pipeline": "h2o", "kv_compress_at": None, "kv_prefill_evict": True},
     ("kv_when", "pressure"): {
         "kv_pipeline": "h2o", "kv_compress_at": None, "kv_prefill_evict": True, "kv_session": True,
+    },
+    ("kv_pipeline", "adakv"): {
+        "kv_decode": True, "kv_prefill_evict": True, "kv_session": True, "kv_when": "pressure",
     },
 }
 
@@ -107,12 +111,22 @@ def _consistent(fields):
     """A plausible option set without the conflicts above (each would be a valid 400): the
     opt-in field is dropped where it clashes."""
     for (name, on), clashes in CONFLICTS.items():
-        values = {k: v for _, k, v in fields}
+        values = {k: _wire(k, v) for _, k, v in fields}
         if values.get(name) != on:
             continue
         if any(k in values and (want is None or values[k] == want) for k, want in clashes.items()):
             fields = [f for f in fields if f[1] != name]
     return fields
+
+
+BOOLEANS = {"kv_decode", "kv_prefill_evict", "kv_session", "kv_per_head"}
+
+
+def _wire(name: str, value):
+    """A boolean option's value as the server reads it (``"true"``, ``1`` are true)."""
+    if name in BOOLEANS:
+        return str(value).lower() in ("true", "1")
+    return value
 
 
 def values_for(name: str):
