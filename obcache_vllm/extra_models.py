@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +89,8 @@ def _source(spec: ExtraModel, log) -> Path:
 
 def pull(spec: ExtraModel = GEMMA3_270M, *, force: bool = False, log=base._stderr) -> Path:
     """Make sure ``spec`` is converted in its directory and return the path (instant when it
-    is there)."""
+    is there). The build is the default model's (:func:`obcache_vllm.model._build`): a staging
+    directory, the config checked, the manifest written last, a rename into place."""
     model_dir = model_path(spec)
     if not force and _check(model_dir, spec):
         return model_dir
@@ -100,41 +98,18 @@ def pull(spec: ExtraModel = GEMMA3_270M, *, force: bool = False, log=base._stder
     with base._lock(model_dir):
         if not force and _check(model_dir, spec):
             return model_dir
-        gguf = _source(spec, log)
-        staging = model_dir.parent / f".{model_dir.name}.partial-{os.getpid()}"
-        started = time.monotonic()
-        log(f"converting {gguf.name} to {base.DTYPE} safetensors (about a minute)")
-        try:
-            staging.mkdir()
-            _convert(gguf, staging)
-            config = json.loads((staging / "config.json").read_text())
-            wrong = {k: config.get(k) for k, v in spec.expected.items() if config.get(k) != v}
-            if wrong or "quantization_config" in config:
-                raise base.ModelError(f"the converted {spec.name} config is unexpected: {wrong}")
-            for path in staging.iterdir():
-                path.chmod(0o644)
-            files = {p.name: {"size": p.stat().st_size, "sha256": base.sha256_file(p)}
-                     for p in sorted(staging.iterdir()) if p.is_file()}  # fmt: skip
-            manifest = {"model": spec.name, "recipe": spec.recipe, "dtype": base.DTYPE,
-                        "source": {"package": f"{spec.package}=={spec.version}",
-                                   "file": gguf.name}, "files": files}  # fmt: skip
-            (staging / base.MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-            base._replace_dir(staging, model_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        log(f"{spec.name} ready in {time.monotonic() - started:.0f} s: {model_dir}")
+        base._build(
+            model_dir, lambda: _source(spec, log),
+            lambda gguf, out, _log: base.dequantize(gguf, out), log,
+            check_config=lambda d: _check_config(d, spec),
+            identity={"model": spec.name, "recipe": spec.recipe,
+                      "package": f"{spec.package}=={spec.version}"},
+        )  # fmt: skip
     return model_dir
 
 
-def _convert(gguf: Path, out_dir: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)  # fmt: skip
-    model.hf_quantizer = None  # plain weights: no quantization_config in the saved config
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+def _check_config(model_dir: Path, spec: ExtraModel) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    wrong = {k: config.get(k) for k, v in spec.expected.items() if config.get(k) != v}
+    if wrong or "quantization_config" in config:
+        raise base.ModelError(f"the converted {spec.name} config is unexpected: {wrong}")

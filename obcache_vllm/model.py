@@ -235,7 +235,20 @@ def _reusable(model_dir: Path, log: Log) -> bool:
     return True
 
 
-def _build(model_dir: Path, locate_source: Callable[[], Path], convert, log: Log) -> None:
+def _build(
+    model_dir: Path,
+    locate_source: Callable[[], Path],
+    convert,
+    log: Log,
+    *,
+    check_config: Callable[[Path], None] | None = None,
+    identity: dict | None = None,
+) -> None:
+    """Convert into a staging directory beside ``model_dir``, check it, write its manifest
+    last and rename it into place. ``check_config`` and ``identity`` (the manifest's
+    ``model``, ``recipe`` and source ``package``) default to the default model's; the other
+    models (:mod:`obcache_vllm.extra_models`) pass their own."""
+    check_config = _check_config if check_config is None else check_config
     parent = model_dir.parent
     for stale in parent.glob(f".{model_dir.name}.partial-*"):
         shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted run (we hold the lock)
@@ -253,28 +266,31 @@ def _build(model_dir: Path, locate_source: Callable[[], Path], convert, log: Log
     try:
         staging.mkdir()
         convert(gguf, staging, log)
-        _check_config(staging)
+        check_config(staging)
         for path in staging.iterdir():
             path.chmod(0o644)  # safetensors writes 0600; the cache may be shared
-        _write_manifest(staging, gguf)
+        _write_manifest(staging, gguf, identity)
         _replace_dir(staging, model_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(f"model ready in {time.monotonic() - started:.0f} s: {model_dir}")
 
 
-def _write_manifest(model_dir: Path, gguf: Path) -> None:
+def _write_manifest(model_dir: Path, gguf: Path, identity: dict | None = None) -> None:
+    identity = identity or {
+        "model": MODEL_NAME, "recipe": RECIPE, "package": f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
+    }  # fmt: skip
     files = {
         p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(model_dir.iterdir())
         if p.is_file() and p.name != MANIFEST_NAME
     }
     manifest = {
-        "model": MODEL_NAME,
-        "recipe": RECIPE,
+        "model": identity["model"],
+        "recipe": identity["recipe"],
         "dtype": DTYPE,
         "source": {
-            "package": f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
+            "package": identity["package"],
             "file": gguf.name,
             "sha256": sha256_file(gguf),
         },
@@ -385,18 +401,9 @@ def _install_source() -> None:
         )
 
 
-def convert_gguf(gguf: Path, out_dir: Path, log: Log = _stderr) -> None:
-    """Dequantize ``gguf`` into an HF directory ``out_dir`` (DTYPE safetensors + tokenizer)."""
-    missing = [
-        m
-        for m in ("torch", "transformers", "gguf", "accelerate")
-        if importlib.util.find_spec(m) is None
-    ]
-    if missing:
-        raise ModelError(
-            f"the conversion needs {', '.join(missing)}: install the model extra, "
-            "e.g. pip install -e '.[model]' (`make setup` does it)"
-        )
+def dequantize(gguf: Path, out_dir: Path) -> None:
+    """Load ``gguf`` with transformers' GGUF loader and save it as DTYPE safetensors with its
+    tokenizer in ``out_dir`` (every model this package provisions is made this way)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -411,6 +418,23 @@ def convert_gguf(gguf: Path, out_dir: Path, log: Log = _stderr) -> None:
         del model.config.quantization_config
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+
+
+def convert_gguf(gguf: Path, out_dir: Path, log: Log = _stderr) -> None:
+    """Dequantize ``gguf`` into an HF directory ``out_dir`` (DTYPE safetensors + tokenizer)."""
+    missing = [
+        m
+        for m in ("torch", "transformers", "gguf", "accelerate")
+        if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        raise ModelError(
+            f"the conversion needs {', '.join(missing)}: install the model extra, "
+            "e.g. pip install -e '.[model]' (`make setup` does it)"
+        )
+    from transformers import AutoTokenizer
+
+    dequantize(gguf, out_dir)
     # Round trip: the saved tokenizer loads and renders a chat with the template.
     reloaded = AutoTokenizer.from_pretrained(str(out_dir))
     rendered = reloaded.apply_chat_template(
