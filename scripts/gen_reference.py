@@ -154,8 +154,8 @@ def render_usage_examples() -> str:
     titles = {"fixed": "A fixed budget", "short": "A prompt shorter than its budget",
               "target": "An error target", "compress_at": "`kv_compress_at`",
               "adakv": "`kv_pipeline: adakv`"}  # fmt: skip
-    n = {e["prompt_tokens"] for e in examples.values()}
-    out = [f"\n### Examples\n\nThe same {min(n)}-token prompt in each mode, on the offline `LLM` "
+    n = next(iter(examples.values()))["prompt_tokens"]
+    out = [f"\n### Examples\n\nThe same {n}-token prompt in each mode, on the offline `LLM` "
            "with the built-in defaults (`results/usage/examples.json`, which "
            "`tests/engine/test_outcome.py` compares with the engine's replies):\n"]  # fmt: skip
     for name, example in examples.items():

@@ -48,6 +48,14 @@ def over_limit(seconds: float, lanes: int, argv: list[str]) -> str | None:
     return None
 
 
+def _held_to_limit(code: int, seconds: float, lanes: int, argv: list[str]) -> int:
+    """The run's exit status, made a failure (and said why) when it broke the time limit."""
+    late = over_limit(seconds, lanes, argv)
+    if late:
+        print(late)
+    return code or (1 if late else 0)
+
+
 def _merge(records: list[dict], seconds: float) -> dict:
     tiers: dict[str, dict[str, float]] = {}
     for rec in records:
@@ -85,10 +93,7 @@ def main(argv: list[str]) -> int:
         code = subprocess.call(pytest, cwd=ROOT)
         seconds = time.monotonic() - started
         print(f"suite: {seconds:.0f} s ({seconds / 60:.1f} min) of pytest in one session")
-        late = over_limit(seconds, 1, argv)
-        if late:
-            print(late)
-        return code or (1 if late else 0)
+        return _held_to_limit(code, seconds, 1, argv)
     claims = Path(tempfile.mkdtemp(prefix="obcache-lanes-"))
     for old in LAST_RUN.glob("lane-*.json"):
         old.unlink()
@@ -134,10 +139,7 @@ def main(argv: list[str]) -> int:
             return max(codes) or 1
         (LAST_RUN / "suite.json").write_text(json.dumps(merged, indent=1) + "\n")
         print(f"suite record: {LAST_RUN / 'suite.json'}")
-    late = over_limit(seconds, 2, argv)
-    if late:
-        print(late)
-    return max(codes) or (1 if late else 0)
+    return _held_to_limit(max(codes), seconds, 2, argv)
 
 
 if __name__ == "__main__":

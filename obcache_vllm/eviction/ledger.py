@@ -481,8 +481,8 @@ KEPT_RULE = (
     "`kv_compress_at`: the budget applies to the first `compress_at` tokens; the prompt's tokens "
     "after them are kept whole, so `budget <= prompt_tokens_kept - (prompt_tokens - compress_at)"
     " < budget + block size`;",
-    "`kv_pipeline: adakv`: each KV head keeps its own count; `prompt_tokens_kept` is the mean "
-    "over the heads, which may fall anywhere between the heads' least and greatest counts;",
+    "`kv_pipeline: adakv`: each KV head keeps its own count; `prompt_tokens_kept` is their "
+    "mean, not any one head's count;",
     "a continued session or an adopted entry (`reused_tokens`): the kept count of the reused "
     "cache plus the new prompt tokens, compressed again at the prompt's end as above.",
 )
