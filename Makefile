@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz lint clean-model bench bench-full bench-serve \
+.PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
 	lm-eval error-target adakv local-error head-layout
 
@@ -54,6 +54,11 @@ SIM_MINUTES ?= 60
 SIM_SEED ?= 1
 sim: setup
 	$(PY) scripts/sim.py --cases $(SIM_CASES) --minutes $(SIM_MINUTES) --seed $(SIM_SEED) --out results/sim
+
+## The held-entry policy's simulator: multi-turn chats at several pool sizes under each hold
+## policy, on the scheduler harness (no model); report in results/hold-sim (about 4 minutes)
+hold-sim: setup
+	$(PY) scripts/hold_sim.py --out results/hold-sim
 
 ## The long concurrent stress of KV reuse (the suite runs 10 cases): STRESS_CASES seeded cases,
 ## at most STRESS_MINUTES; report in results/stress (exits non-zero on any problem)

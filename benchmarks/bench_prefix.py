@@ -24,6 +24,8 @@ Arms (``--arms``): ``stock``; ``compress_at`` (docs: ``kv_budget`` 0.25 of the d
 ``stateless`` (chat: ``kv_budget`` 0.25 + ``kv_decode``, every turn compressed anew);
 ``policy`` (docs and chat: requests as stock's, no kv_* field; the server's default budget
 ``OBCACHE_KV_BUDGET=0.25`` with the policy's default compress point ``auto``).
+``ARM:before`` runs a plugin arm with the held-entry policy of the release before this one
+(least recently used first, within the base share: ``loadtest.multiturn.HOLD_PRESETS``).
 The plugin arms use the server's default scoring (configs/default.yaml: tova, obcache_key).
 
 Usage::
@@ -51,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadtest.launch import launched  # noqa: E402
+from loadtest.multiturn import HOLD_PRESETS  # noqa: E402
 from loadtest.scrape import Snapshot  # noqa: E402
 from loadtest.stream import post_streamed  # noqa: E402
 from obcache_vllm.textgen import haystack  # noqa: E402
@@ -105,6 +108,7 @@ class ArmResult:
 
 
 def _arm_body(arm: str, workload: str, doc_tokens: int | None) -> dict:
+    arm = arm.partition(":")[0]  # ARM:PRESET: a hold policy (loadtest.multiturn.HOLD_PRESETS)
     if arm in ("stock", "policy"):
         return {}
     if arm == "compress_at":
@@ -119,6 +123,7 @@ def _arm_body(arm: str, workload: str, doc_tokens: int | None) -> dict:
 
 
 def _applies(arm: str, workload: str) -> bool:
+    arm = arm.partition(":")[0]
     docs = workload.startswith("docs")
     return arm in ("stock", "policy") or (arm in ("compress_at", "whole")) == docs
 
@@ -233,8 +238,9 @@ def run_arm(workload: str, arm: str, args, tokenizer) -> ArmResult:
                    "--max-num-seqs", "8"]  # fmt: skip
     if pool:
         server_args += ["--num-gpu-blocks-override", str(pool)]
-    env = {"VLLM_PLUGINS": ""} if arm == "stock" else {}
-    if arm == "policy":
+    base, _, preset = arm.partition(":")
+    env = {"VLLM_PLUGINS": ""} if base == "stock" else dict(HOLD_PRESETS[preset] if preset else {})
+    if base == "policy":
         env["OBCACHE_KV_BUDGET"] = "0.25"
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # one core: the client and the server beside it
     out = args.out / f"{workload}.{arm}.server.log"

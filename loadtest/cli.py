@@ -87,12 +87,19 @@ def _parser() -> argparse.ArgumentParser:
     mt_p = sub.add_parser("multiturn", help="multi-turn chats at the pool's limit, stock beside")
     mt_p.add_argument("--arms", nargs="+",
                       default=["stock", "session", "policy", "policy-session-id"],
-                      choices=["stock", "session", "policy", "policy-session-id"])
+                      choices=multiturn_arms(),
+                      help="arms; ARM:before runs ARM with the hold policy of the release "
+                      "before (least recently used first, base share only)")
     mt_p.add_argument("--conversations", type=int, default=8)
     mt_p.add_argument("--clients", type=int, default=2)
     mt_p.add_argument("--active", type=int, default=4, help="active conversations (all clients)")
     mt_p.add_argument("--pool-blocks", type=int, default=96, help="KV pool, blocks of 32 tokens")
     mt_p.add_argument("--seed", type=int, default=0)
+    mt_p.add_argument("--shape", default="light", choices=["light", "vllm"],
+                      help="conversation shape: light (6-8 turns, ~600-token documents) or "
+                      "vllm (vLLM's multi-turn client: 12-16 turns, 800-1,200-token documents)")
+    mt_p.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
+                      help="server environment of every arm but stock (e.g. a hold policy)")
     mt_p.add_argument("--out", type=Path, default=Path("results/multiturn"), help="report folder")
     rt_p = sub.add_parser("routing", help="documents and chats through vllm-router, per policy")
     rt_p.add_argument("--policies", nargs="+", default=list(ROUTING_POLICIES),
@@ -115,6 +122,12 @@ def _routing(args: argparse.Namespace) -> int:
     from loadtest import routing
 
     return routing.main(args)
+
+
+def multiturn_arms() -> list[str]:
+    from loadtest import multiturn
+
+    return multiturn.arm_names()
 
 
 def _multiturn(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ import asyncio
 import json
 import random
 import statistics
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -85,11 +86,21 @@ class Conversation:
     answer_tokens: tuple[int, ...]
 
 
+# Conversation shapes (``--shape``): ranges of user turns, the first turn's document tokens and
+# the answers' tokens. ``light`` is this module's original load; ``vllm`` the parameters of
+# vLLM's multi-turn client as users run it on a CPU-sized pool (docs/user_guide/sessions.md).
+SHAPES = {
+    "light": {"turns": (6, 8), "doc": (500, 700), "answers": (40, 60)},
+    "vllm": {"turns": (12, 16), "doc": (800, 1200), "answers": (32, 48)},
+}
+
+
 def conversations(
-    count: int, seed: int = 0, turns: tuple[int, int] = (6, 8), doc: tuple[int, int] = (500, 700)
-) -> list[Conversation]:
-    """The synthetic conversations (same arguments: the same conversations); ``turns`` and
-    ``doc`` (the document's tokens) are ranges drawn from."""
+    count: int, seed: int = 0, turns: tuple[int, int] = (6, 8), doc: tuple[int, int] = (500, 700),
+    answers: tuple[int, int] = (40, 60),
+) -> list[Conversation]:  # fmt: skip
+    """The synthetic conversations (same arguments: the same conversations); ``turns``,
+    ``doc`` (the document's tokens) and ``answers`` (tokens) are ranges drawn from."""
     rng = random.Random(seed)
     out = []
     lo, hi = turns
@@ -101,8 +112,8 @@ def conversations(
             + haystack(_sentences(rng.randint(60, 100)), seed=5000 + c * 100 + t)
             for t in range(n_turns)
         )
-        answers = tuple(rng.randint(40, 60) for _ in range(n_turns))
-        out.append(Conversation(c, document, questions, answers))
+        answer_tokens = tuple(rng.randint(*answers) for _ in range(n_turns))
+        out.append(Conversation(c, document, questions, answer_tokens))
     return out
 
 
@@ -168,20 +179,56 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
+# Hold policies an arm may name after a colon (``session:before``): the server environment.
+# ``before`` is the policy of the release before the reuse-ranked holds: least recently used
+# first, within the base share (OBCACHE_ENTRY_POOL_SHARE, 0.25) only.
+HOLD_PRESETS = {
+    "before": {"OBCACHE_ENTRY_VICTIMS": "lru", "OBCACHE_ENTRY_POOL_SHARE_MAX": "0.25"},
+    "lru": {"OBCACHE_ENTRY_VICTIMS": "lru"},
+}
+
+
+def arm_names() -> list[str]:
+    """Every arm ``--arms`` accepts: the arms, and each non-stock arm with a hold preset."""
+    return [*ARMS, *(f"{a}:{p}" for a in ARMS if a != "stock" for p in HOLD_PRESETS)]
+
+
 def run_arm(arm: str, args) -> dict:
-    env, body, session_ids = ARMS[arm]
+    base, _, preset = arm.partition(":")
+    env, body, session_ids = ARMS[base]
+    env = {**env, **HOLD_PRESETS.get(preset, {})}
     max_len = str((args.pool_blocks - 1) * 32)  # the pool must hold one whole request (and
     # its null block)
     server_args = ["--max-model-len", max_len, "--seed", "0", "--max-num-seqs", "8",
                    "--num-gpu-blocks-override", str(args.pool_blocks),
                    "--enable-prompt-tokens-details"]  # fmt: skip
     env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "0"}  # one core: the client beside it
-    convs = conversations(args.conversations, args.seed)
+    if base != "stock":
+        env.update(dict(kv.split("=", 1) for kv in getattr(args, "env", None) or ()))
+    shape = SHAPES[getattr(args, "shape", "light")]
+    convs = conversations(args.conversations, args.seed, **shape)
     with launched(server_args, env, args.out / f"{arm}.server.log") as url:
         before = _scrape(url)
         started = time.perf_counter()
-        turns = asyncio.run(drive(url, arm, body, convs, args.clients, args.active,
-                                  session_ids))  # fmt: skip
+        held: list[tuple[float, float]] = []  # (seconds, vllm:obcache_held_blocks)
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(1.0):
+                try:
+                    held.append((round(time.perf_counter() - started, 1),
+                                 _scrape(url).value("vllm:obcache_held_blocks")))  # fmt: skip
+                except OSError:
+                    pass
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            turns = asyncio.run(drive(url, arm, body, convs, args.clients, args.active,
+                                      session_ids))  # fmt: skip
+        finally:
+            stop.set()
+            sampler.join()
         seconds = time.perf_counter() - started
         after = _scrape(url)
 
@@ -213,8 +260,13 @@ def run_arm(arm: str, args) -> dict:
         "entries_released": delta("vllm:obcache_compressed_entries_total", event="released"),
         "entries_evicted": delta("vllm:obcache_compressed_entries_total", event="evicted"),
         "preemptions": delta("vllm:num_preemptions_total"),
+        "held_blocks_mean": statistics.fmean(v for _, v in held) if held else 0.0,
+        "held_blocks_max": max((v for _, v in held), default=0.0),
+        "shape": getattr(args, "shape", "light"),
+        "pool_blocks": args.pool_blocks,
+        "env": sorted(f"{k}={v}" for k, v in env.items() if k.startswith("OBCACHE_ENTRY")),
     }
-    return {"summary": summary, "turns": [asdict(t) for t in turns]}
+    return {"summary": summary, "turns": [asdict(t) for t in turns], "held_blocks": held}
 
 
 def markdown(summaries: list[dict]) -> str:
@@ -230,8 +282,8 @@ def markdown(summaries: list[dict]) -> str:
 
     out = ["| arm | req/s | vs stock | TTFT mean / p50 / p99 (ms) | turns >= 2 TTFT p50 / p99 "
            "(ms) | p50 vs stock | follow-ups continued | lookups hit / miss | entries created "
-           "/ released / evicted | preemptions | errors |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "/ released / evicted | held blocks mean / max | preemptions | errors |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in summaries:
         cont = f"{s['continued']} / {s['follow_ups']}" if s["arm"] != "stock" else "-"
         out.append(
@@ -241,6 +293,7 @@ def markdown(summaries: list[dict]) -> str:
             f"{ratio(s, 'follow_ttft_p50')} | {cont} | "
             f"{s['lookups_hit']:.0f} / {s['lookups_miss']:.0f} | {s['entries_created']:.0f} / "
             f"{s['entries_released']:.0f} / {s['entries_evicted']:.0f} | "
+            f"{s.get('held_blocks_mean', 0):.0f} / {s.get('held_blocks_max', 0):.0f} | "
             f"{s['preemptions']:.0f} | {s['errors']} |"
         )
     return "\n".join(out) + "\n"

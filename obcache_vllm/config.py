@@ -225,11 +225,11 @@ def merge_request(defaults: Mapping[str, Any], requested: Mapping[str, Any]) -> 
 ENTRY_SHARE_ENV = "OBCACHE_ENTRY_POOL_SHARE"
 DEFAULT_ENTRY_SHARE = 0.25
 ENTRY_SHARE_MAX_ENV = "OBCACHE_ENTRY_POOL_SHARE_MAX"
-# Unset: the base share (no surplus). Measured (docs/evidence/prefix_caching.md, sessions.md):
-# 0.75 took shared documents from 1.71x to 1.98x stock, but round-robin chats from 41 to 38
-# continued follow-ups of 44 (likely: the least recently used entry is the next chat's), so
-# it is an operator's choice, not the default.
-DEFAULT_ENTRY_SHARE_MAX = None
+# Measured (docs/evidence/sessions.md, prefix_caching.md): with least-recently-used victims,
+# 0.75 took shared documents from 1.71x to 1.98x stock but round-robin chats from 41 to 38
+# continued follow-ups of 44 (the least recently used entry is the next chat's); with victims
+# ranked by predicted reuse (OBCACHE_ENTRY_VICTIMS=reuse) chats gain from the room too.
+DEFAULT_ENTRY_SHARE_MAX = 0.75
 
 
 def _share(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -259,7 +259,7 @@ def entry_pool_share(environ: Mapping[str, str] | None = None) -> float:
 
 def entry_pool_share_max(environ: Mapping[str, str] | None = None) -> float:
     """The share of the KV pool that compressed contexts may hold while no request waits for
-    it (``$OBCACHE_ENTRY_POOL_SHARE_MAX``; unset: :func:`entry_pool_share`, never below it):
+    it (``$OBCACHE_ENTRY_POOL_SHARE_MAX``; default 0.75, never below :func:`entry_pool_share`):
     holds above the base share give way to a waiting request.
 
     Raises:
@@ -269,4 +269,24 @@ def entry_pool_share_max(environ: Mapping[str, str] | None = None) -> float:
     base = entry_pool_share(environ)
     if base == 0.0:
         return 0.0  # holding is off
-    return max(base, _share(environ, ENTRY_SHARE_MAX_ENV, DEFAULT_ENTRY_SHARE_MAX or base))
+    return max(base, _share(environ, ENTRY_SHARE_MAX_ENV, DEFAULT_ENTRY_SHARE_MAX))
+
+
+ENTRY_VICTIMS_ENV = "OBCACHE_ENTRY_VICTIMS"
+
+
+def entry_victims(environ: Mapping[str, str] | None = None) -> str:
+    """Which held compressed entry gives way first (``$OBCACHE_ENTRY_VICTIMS``): ``reuse``
+    (default: the one whose next read is predicted furthest away) or ``lru`` (the least
+    recently used). See :class:`obcache_vllm.eviction.entries.HeldEntries`.
+
+    Raises:
+        ConfigError: another value (the message names the variable).
+    """
+    from obcache_vllm.eviction.entries import VICTIM_ORDERS
+
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENTRY_VICTIMS_ENV) or VICTIM_ORDERS[0]
+    if raw not in VICTIM_ORDERS:
+        raise ConfigError(f"{ENTRY_VICTIMS_ENV}={raw!r}: must be one of {', '.join(VICTIM_ORDERS)}")
+    return raw

@@ -103,7 +103,8 @@ COMPRESSED_ENTRIES = MetricSpec(
     "Compressed contexts left in the prefix cache (event=created), gone again under the "
     "pool's LRU, the index bound or a replacement (event=evicted), and no longer held out of "
     "the LRU because a request needed the blocks or the held share was full (event=released), "
-    "by kind.",
+    "and found gone by a request that wanted it (event=wanted_again: released, then its blocks "
+    "reused), by kind.",
     ("kind", "event"),
 )
 REUSED_TOKENS = MetricSpec(

@@ -51,6 +51,13 @@ WIRE_VERSION = "obcache/1"
 WHEN = ("always", "pressure")
 # kv_compress_at's one non-integer value: the front end chooses k from the prompts it has seen.
 AUTO = "auto"
+# A first sighting of a prompt under "auto" (a whole-prompt request, a tentative session)
+# compresses all of its prompt but this many last tokens, which are then computed on the
+# compressed cache: its first token is a function of the compressed cache, so the same prompt
+# sent again (a retry, an agent re-sending its context) adopts that cache and gets the same
+# answer (obcache_vllm.eviction.sightings). One token: the query the eviction scores with
+# moves by one position.
+FIRST_POINT = 1
 
 
 class KvOptionsError(ValueError):
@@ -674,8 +681,13 @@ class _RequestMethods:
             ):  # a point is worth compressing at only where the cache becomes an entry
                 at = None
             if at is None and self.joins_session():
-                # Compressed whole, as a tentative session: it may be a chat's first turn.
-                first = dataclasses.replace(self, compress_at=None, session=True)
+                # Compressed whole, as a tentative session: it may be a chat's first turn. At
+                # all but its last token where the budget leaves room there (see
+                # FIRST_POINT): a repeat of the prompt then adopts this cache.
+                first_at = num_prompt_tokens - FIRST_POINT
+                first = dataclasses.replace(
+                    self, compress_at=first_at if self._room_at(first_at) else None, session=True
+                )
                 resolved = first.resolve(num_prompt_tokens, max_model_len)
                 return dataclasses.replace(resolved, tentative=True)
             return dataclasses.replace(self, compress_at=at).resolve(

@@ -185,6 +185,9 @@ def release_order(entries: Iterable[Entry]) -> list[int]:
     return list(seen)
 
 
+VICTIM_ORDERS = ("reuse", "lru")
+
+
 class HeldEntries:
     """Which entries the engine keeps out of vLLM's LRU, within a bounded number of blocks.
 
@@ -192,17 +195,30 @@ class HeldEntries:
     at its limit, every other request's prefill takes free blocks from the LRU's head, so a
     compressed document is gone before its next question arrives (measured: 0 of 18 follow-ups
     found their entry). A *held* entry has one reference taken on each of its blocks, so the
-    LRU cannot reuse them. The hold is bounded by ``limit`` blocks (a share of the pool);
-    holding a new entry past it lets the least recently used ones go first, and the vLLM
-    adapter lets them go, oldest first, whenever a running request would otherwise be
-    preempted or a waiting one could never be admitted (nothing else running). A released
-    entry stays valid as ordinary free cached blocks until the LRU reuses one of them.
+    LRU cannot reuse them. The hold is bounded by ``limit`` blocks (a share of the pool), and
+    the vLLM adapter lets entries go whenever a running request would otherwise be preempted
+    or a waiting one could never be admitted (nothing else running). A released entry stays
+    valid as ordinary free cached blocks until the LRU reuses one of them.
 
     The share adapts to the queue: entries may be held up to ``limit`` blocks while no request
-    waits for room, but only ``base`` of them against a waiting request; above ``base`` the
-    least recently used give way to a request waiting for blocks (:meth:`surplus_victim`),
-    so held entries use room the pool has spare and never keep the queue waiting for more
-    than ``base``.
+    waits for room, but only ``base`` of them against a waiting request; above ``base`` they
+    give way to a request waiting for blocks (:meth:`surplus_victim`), so held entries use room
+    the pool has spare and never keep the queue waiting for more than ``base``.
+
+    **Which entry goes first** (``victims``): ``"reuse"`` (the default) releases the entry whose
+    next read is predicted furthest away, the rule that is optimal when the future is known
+    (Belady's). Time is counted in *accesses* (:meth:`tick`: one per admitted request that
+    looks entries up), an entry's next read is predicted from its *reuse distance* (accesses
+    between two reads): its own, measured when it is adopted, or for a session turn's entry
+    its parent's (a conversation keeps its cadence), or else a running average over the reads
+    and misses seen (each measurement weighs :attr:`SMOOTHING`).
+    An entry idle for longer than its predicted distance is *overdue* (late, or a chat that
+    ended, a document no one asks about any more): overdue entries go first, longest idle
+    first, then tentative ones, then the rest. ``"lru"`` releases the least recently used
+    entry first. Chats are why the default is not LRU: clients cycle over their conversations,
+    so the least recently used entry is the very one the next turn reads (docs/user_guide/
+    sessions.md measures both). Holding a new entry past the limit releases others only when
+    they rank further away than the new entry; otherwise the new one is not held.
 
     A *tentative* entry (a session the front end started on a guess: a prompt that may be a
     chat's first turn, see ``KvOptions.tentative``) is held as surplus whatever the share:
@@ -212,15 +228,34 @@ class HeldEntries:
     drops the references.
     """
 
-    def __init__(self, limit: int, base: int | None = None) -> None:
+    # An entry idle for more than this times its predicted distance is overdue. Chosen on the
+    # policy simulator (scripts/hold_sim.py, 3 seeds, chats of two shapes at 96-144 blocks):
+    # 0.75-1.0 continued the most follow-ups, 2.0 fewer, never overdue far fewer.
+    OVERDUE = 1.0
+    SMOOTHING = 0.5  # weight of the newest measured reuse distance in the running estimates
+
+    def __init__(self, limit: int, base: int | None = None, victims: str = "reuse") -> None:
         base = limit if base is None else base
         if limit < 0 or not 0 <= base <= limit:
             raise ValueError(f"need 0 <= base <= limit, got base {base}, limit {limit}")
+        if victims not in VICTIM_ORDERS:
+            raise ValueError(f"victims must be one of {VICTIM_ORDERS}, got {victims!r}")
         self.limit = limit
         self.base = base
+        self.victims = victims
         self._held: OrderedDict[int, int] = OrderedDict()  # entry id -> blocks, oldest first
         self._tentative: OrderedDict[int, None] = OrderedDict()  # never adopted, oldest first
         self.blocks = 0
+        self.clock = 0
+        # Entry id -> clock at its hold or last read, for held entries and recently released
+        # ones (a released entry wanted again measures its distance too: :meth:`missed`).
+        self._last: OrderedDict[int, int] = OrderedDict()
+        self._gap: dict[int, float] = {}  # held entry id -> its predicted reuse distance
+        # Measured distances of entries read lately (held or not), for a session turn's entry
+        # to inherit from the entry it continued (bounded: most recent last).
+        self._measured: OrderedDict[int, float] = OrderedDict()
+        self.prior: float | None = None  # running mean of measured reuse distances
+        self.wanted_after_release = 0  # released entries a request wanted again (counted)
 
     def __contains__(self, entry_id: int) -> bool:
         return entry_id in self._held
@@ -228,29 +263,153 @@ class HeldEntries:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, entry_id: int, num_blocks: int, tentative: bool = False) -> list[int] | None:
+    def tick(self) -> None:
+        """One access: a request that looks compressed entries up was admitted."""
+        self.clock += 1
+
+    def hold(self, entry_id: int, num_blocks: int, tentative: bool = False,
+             like: int | None = None, replaces: int | None = None) -> list[int] | None:  # fmt: skip
         """Hold an entry of ``num_blocks``: the entry ids to release first to stay within the
-        limit (tentative ones, then the least recently used), or None if it cannot be held."""
+        limit (in :meth:`release order <_ranked>`), or None if it is not held (larger than the
+        limit, held already, or, with ``"reuse"``, ranking before every entry that would make
+        room for it); with ``"lru"`` a new entry is always held, as earlier versions did.
+        ``like`` is an entry whose measured reuse distance the new one is predicted to share
+        (the session turn it continues); ``replaces`` a held entry the new one takes over (its
+        parent turn): its blocks count as room, and it is dropped only if the new one is held
+        (it is not among the ids returned)."""
+        gap = self._measured.get(like) if like is not None else None
         if num_blocks > self.limit or entry_id in self._held:
             return None
-        released = []
-        while self.blocks + num_blocks > self.limit:
-            released.append(self.oldest())
-            self.drop(released[-1])
+        replaced = self._held.get(replaces, 0) if replaces is not None else 0
+        released: list[int] = []
+        room = self.limit - self.blocks + replaced
+        if num_blocks > room:
+            extra = (entry_id, gap, tentative) if self.victims == "reuse" else None
+            for victim in self._ranked(extra=extra):
+                if victim == replaces:
+                    continue
+                if victim == entry_id:
+                    # the new entry is the one to go: keep the others, but remember it (its
+                    # next read, or miss, is measured)
+                    self._touch(entry_id)
+                    if gap is not None:
+                        self._remember_gap(entry_id, gap)
+                    return None
+                released.append(victim)
+                room += self._held[victim]
+                if room >= num_blocks:
+                    break
+        if replaced:
+            self.drop(replaces)
+        for victim in released:
+            self.drop(victim)
         self._held[entry_id] = num_blocks
         self.blocks += num_blocks
+        self._touch(entry_id)
+        if gap is not None:
+            self._gap[entry_id] = gap
+            self._remember_gap(entry_id, gap)
         if tentative:
             self._tentative[entry_id] = None
         return released
 
+    def _remember_gap(self, entry_id: int, gap: float) -> None:
+        self._measured[entry_id] = gap
+        self._measured.move_to_end(entry_id)
+        while len(self._measured) > self.KEEP:
+            self._measured.popitem(last=False)
+
+    KEEP = 4096  # released entries whose last read is remembered (and measured distances)
+
+    def _touch(self, entry_id: int) -> None:
+        self._last[entry_id] = self.clock
+        self._last.move_to_end(entry_id)
+        while len(self._last) > self.KEEP + len(self._held):
+            oldest = next(iter(self._last))
+            if oldest in self._held:  # a held entry idle that long: keep it, drop a ghost
+                self._last.move_to_end(oldest)
+                continue
+            del self._last[oldest]
+
+    def _measure(self, entry_id: int) -> None:
+        """A read of ``entry_id`` (held or released) now: its reuse distance since its last
+        hold or read updates its own prediction and the prior."""
+        last = self._last.get(entry_id)
+        if last is None:
+            return
+        distance = float(self.clock - last)
+        a = self.SMOOTHING
+        own = self._gap.get(entry_id, self._measured.get(entry_id))
+        gap = distance if own is None else a * distance + (1 - a) * own
+        if entry_id in self._held:
+            self._gap[entry_id] = gap
+        self.prior = distance if self.prior is None else a * distance + (1 - a) * self.prior
+        self._remember_gap(entry_id, gap)
+        self._touch(entry_id)
+
     def used(self, entry_id: int) -> None:
-        """An entry was adopted: it is the last to be released, and no longer tentative."""
+        """An entry was adopted: its reuse distance is measured, it is no longer tentative,
+        and it ranks as just read (an entry no longer held is measured too)."""
+        self._measure(entry_id)
         if entry_id in self._held:
             self._held.move_to_end(entry_id)
             self._tentative.pop(entry_id, None)
 
+    def used_again(self, entry_id: int) -> None:
+        """An entry adopted again by the same request (admitted again after a preemption): no
+        longer tentative, and last to go, but no new reuse distance."""
+        if entry_id in self._held:
+            self._held.move_to_end(entry_id)
+            self._tentative.pop(entry_id, None)
+            self._touch(entry_id)
+
+    def missed(self, entry_id: int) -> None:
+        """A request wanted an entry that is gone (released, then its blocks reused): its
+        distance is measured as if it had been read, so the prediction learns from the reads
+        it failed to serve."""
+        if entry_id in self._last and entry_id not in self._held:
+            self.wanted_after_release += 1
+        self._measure(entry_id)
+
     def is_tentative(self, entry_id: int) -> bool:
         return entry_id in self._tentative
+
+    def _forecast(self, gap: float | None, last: int) -> tuple[bool, float]:
+        """(overdue, predicted accesses until the next read) of an entry held or read last at
+        ``last`` with predicted reuse distance ``gap`` (larger: released sooner)."""
+        gap = gap if gap is not None else self.prior
+        idle = self.clock - last
+        if gap is None:
+            return False, float(idle)  # nothing measured yet: least recently used first
+        if idle > self.OVERDUE * max(gap, 1.0):
+            return True, float(idle)  # the longer idle, the less likely read again
+        return False, gap - idle
+
+    def _ranked(self, extra: tuple[int, float | None, bool] | None = None) -> list[int]:
+        """Held entries (and ``extra`` = (id, predicted distance, tentative), an entry about
+        to be held) in release order: by :attr:`victims`; for ``"reuse"``, overdue entries
+        (longest idle first), then tentative ones (oldest first), then the rest, furthest
+        predicted read first; for ``"lru"``, tentative ones, then least recently used."""
+        tentative = list(self._tentative)
+        rest = [e for e in self._held if e not in self._tentative]
+        if extra is not None:
+            (tentative if extra[2] else rest).append(extra[0])
+        if self.victims == "lru":
+            return tentative + rest  # _held is least recently used first; a new entry last
+
+        def forecast(entry_id: int) -> tuple[bool, float]:
+            if extra is not None and entry_id == extra[0]:
+                return self._forecast(extra[1], self.clock)
+            return self._forecast(self._gap.get(entry_id), self._last[entry_id])
+
+        seen = {e: forecast(e) for e in tentative + rest}
+        overdue = sorted((e for e in seen if seen[e][0]), key=lambda e: seen[e][1], reverse=True)
+        # stable sorts: among equals the least recently used goes first
+        return (
+            overdue
+            + [e for e in tentative if not seen[e][0]]
+            + sorted((e for e in rest if not seen[e][0]), key=lambda e: seen[e][1], reverse=True)
+        )
 
     @property
     def surplus_blocks(self) -> int:
@@ -260,23 +419,23 @@ class HeldEntries:
         return tentative + max(0, self.blocks - tentative - self.base)
 
     def oldest(self) -> int | None:
-        """The next entry to release: the oldest tentative one, else the least recently used."""
-        tentative = next(iter(self._tentative), None)
-        return tentative if tentative is not None else next(iter(self._held), None)
+        """The next entry to release: the first in release order (:meth:`_ranked`)."""
+        return next(iter(self._ranked()), None)
 
     def surplus_victim(self, keep: int | None = None) -> int | None:
         """The entry to release for a waiting request, other than ``keep`` (the entry that
-        request adopts): the oldest tentative one, else the least recently used while more
+        request adopts): the oldest tentative one, else the first by :attr:`victims` while more
         than ``base`` blocks are held; None when nothing held is surplus."""
         tentative = next((e for e in self._tentative if e != keep), None)
         if tentative is not None or self.blocks <= self.base:
             return tentative
-        return next((e for e in self._held if e != keep), None)
+        return next((e for e in self._ranked() if e != keep), None)
 
     def drop(self, entry_id: int) -> bool:
         num_blocks = self._held.pop(entry_id, None)
         if num_blocks is None:
             return False
         self._tentative.pop(entry_id, None)
+        self._gap.pop(entry_id, None)  # its last read stays in _last: it may be wanted again
         self.blocks -= num_blocks
         return True

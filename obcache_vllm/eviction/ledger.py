@@ -108,6 +108,8 @@ class RequestBlocks:
     # What the last prefix lookup found, until the request is admitted: (entry kind, tokens
     # adopted or None for a miss); counted once per admission, not per lookup.
     lookup: tuple[str, int | None] | None = None
+    # Its lookup was counted as a read of the entries (once, not again after a preemption).
+    read_counted: bool = False
 
     @property
     def on_pressure(self) -> bool:

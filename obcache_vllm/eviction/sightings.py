@@ -23,10 +23,14 @@ made from prompts only (this index), never from the engine's cache state:
 * else the request compresses at ``s`` when ``s`` covers at least :data:`MIN_SHARE` of its
   prompt (so at most half of it is left uncompressed) and is shorter than the prompt (questions
   over one document: the second compresses the document, the later ones adopt it);
-* else over its whole prompt, query-aware, as with no ``kv_compress_at``, and as a
-  *tentative* session: it may be a chat's first turn, so its final cache is left for a next
-  turn, held only while no request needs the blocks (``KvOptions.tentative``,
-  :class:`~obcache_vllm.eviction.entries.HeldEntries`).
+* a prompt that *repeats* a recorded one (the same tokens, a retry or a re-sent context)
+  compresses where that one was compressed (:meth:`PrefixSightings.remember`) and adopts the
+  entry it left: the same cache, the same answer;
+* else over its whole prompt but its last token, query-aware, and as a *tentative* session:
+  it may be a chat's first turn, so its final cache is left for a next turn, held only while
+  no request needs the blocks (``KvOptions.tentative``,
+  :class:`~obcache_vllm.eviction.entries.HeldEntries`); the compressed prompt it leaves is
+  also found by a repeat of it.
 
 A hash collision can only choose a compress point; the entries themselves are keyed by
 vLLM's hashes and checked token by token. Plain Python: no vLLM, no torch.
@@ -53,6 +57,8 @@ class Sighting:
 
     shared: int
     continues: bool
+    repeats: bool = False  # this very prompt (all its tokens, same seed) was recorded before
+    point: int | None = None  # the compress point recorded for it then (:meth:`remember`)
 
 
 class PrefixSightings:
@@ -64,9 +70,9 @@ class PrefixSightings:
         self.block_size = block_size
         self.capacity = capacity
         self._seen: OrderedDict[int, None] = OrderedDict()
-        # Whole recorded prompts: (hash of the chain before the tail, tail tokens) hashed, and
-        # for each such chain hash the tail lengths recorded after it.
-        self._ends: OrderedDict[int, None] = OrderedDict()
+        # Whole recorded prompts: (hash of the chain before the tail, tail tokens) hashed, with
+        # the point each was compressed at; for each such chain hash the tail lengths after it.
+        self._ends: OrderedDict[int, int | None] = OrderedDict()  # -> point (remember)
         self._tails: OrderedDict[int, set[int]] = OrderedDict()
         self._lock = threading.Lock()  # the API server admits from one event loop; LLM too
 
@@ -102,27 +108,47 @@ class PrefixSightings:
                 for k in range(shared // bs, -1, -1)
                 for t in self._tails.get(bases[k], ())
             )
+            end = self._end(token_ids, bases[-1])
+            repeats = end in self._ends
+            point = self._ends.get(end)
             for h in hashes:
                 self._seen[h] = None
                 self._seen.move_to_end(h)
-            base, tail = bases[-1], tuple(token_ids[len(hashes) * bs :])
-            end = hash((base, tail))
-            self._ends[end] = None
+            self._ends[end] = point
             self._ends.move_to_end(end)
-            self._tails.setdefault(base, set()).add(len(tail))
+            base, tail = bases[-1], len(token_ids) - len(hashes) * bs
+            self._tails.setdefault(base, set()).add(tail)
             self._tails.move_to_end(base)
             for index in (self._seen, self._ends, self._tails):
                 while len(index) > self.capacity:
                     index.popitem(last=False)
-        return Sighting(shared, continues)
+        return Sighting(shared, continues, repeats, point)
+
+    def _end(self, token_ids: Sequence[int], base: int) -> int:
+        """The key of a whole prompt: its full blocks' chain hash ``base`` and its tail."""
+        full = len(token_ids) // self.block_size * self.block_size
+        return hash((base, tuple(token_ids[full:])))
+
+    def remember(self, token_ids: Sequence[int], seed: Hashable, point: int | None) -> None:
+        """Record where a prompt just observed was compressed (None: no point), so that the
+        same prompt sent again compresses there too and adopts the entry it left."""
+        hashes = self.chain(token_ids, seed)
+        end = self._end(token_ids, hashes[-1] if hashes else self._root(seed))
+        with self._lock:
+            if end in self._ends:
+                self._ends[end] = point
 
     def __len__(self) -> int:
         return len(self._seen)
 
 
-def auto_point(shared: int, num_prompt_tokens: int) -> int | None:
+def auto_point(shared: int, num_prompt_tokens: int, earlier: int | None = None) -> int | None:
     """The compress point of a ``kv_compress_at: "auto"`` request whose first ``shared``
-    tokens were seen before (None: compress the whole prompt)."""
+    tokens were seen before (None: compress the whole prompt). A prompt seen before, all of
+    it, compresses where it was compressed then (``earlier``, :meth:`PrefixSightings.
+    remember`), so that it adopts the entry it left and is served exactly as it was then."""
+    if earlier is not None and 0 < earlier < num_prompt_tokens:
+        return earlier
     shared = min(shared, num_prompt_tokens - 1)
     if shared <= 0 or shared < MIN_SHARE * num_prompt_tokens:
         return None

@@ -270,37 +270,47 @@ def test_a_failed_adoption_falls_back_to_a_recompute(fresh, tokenizer):
 
 def test_auto_compresses_the_shared_document_once_offline(fresh, tokenizer):
     """``kv_compress_at: "auto"`` through the offline engine's admission: the first question
-    over a document compresses its whole prompt, the second the document's shared blocks (an
-    entry is made), the third adopts that entry, with the tokens a recompute at the same point
-    gives."""
+    over a document compresses all of its prompt but the last token, the second the
+    document's shared blocks (an entry is made); each question asked again compresses where
+    it was compressed the first time and adopts that entry (the first's: its own compressed
+    prompt, left on its session entry's blocks), with its first answer, which is also what a
+    recompute at the same point gives."""
     doc, questions = _doc(tokenizer, seed=47), _questions(tokenizer)
     kv = {"kv_budget": 0.25, "kv_pipeline": "tova", "kv_compress_at": "auto"}
-    _, _, first, _ = _generate(fresh, doc + questions[0], kv)
-    assert "compress_at" not in first
-    _, _, second, _ = _generate(fresh, doc + questions[1], kv)
+    first_tokens, _, first, _ = _generate(fresh, doc + questions[0], kv)
+    whole = len(doc + questions[0]) - 1
+    assert first["compress_at"] == whole and "reused_tokens" not in first
+    second_tokens, _, second, _ = _generate(fresh, doc + questions[1], kv)
     common = next(i for i, (a, b) in enumerate(zip(*questions, strict=False)) if a != b)
     point = (len(doc) + common) // BS * BS  # the whole blocks both prompts share
     assert second["compress_at"] == point and "reused_tokens" not in second
     third_tokens, _, third, _ = _generate(fresh, doc + questions[0], kv)
-    assert third["compress_at"] == point and third["reused_tokens"] == point
+    assert third["compress_at"] == whole and third["reused_tokens"] == whole
+    assert third["reused_from"] == "compress_at" and third_tokens == first_tokens
+    fourth_tokens, _, fourth, _ = _generate(fresh, doc + questions[1], kv)
+    assert fourth["compress_at"] == point and fourth["reused_tokens"] == point
+    assert fourth_tokens == second_tokens
     assert fresh.llm.reset_prefix_cache()
-    explicit = {**kv, "kv_compress_at": point}
-    again, _, usage, _ = _generate(fresh, doc + questions[0], explicit)
-    assert "reused_tokens" not in usage and again == third_tokens
+    for prompt, at, tokens in ((doc + questions[1], point, fourth_tokens),
+                               (doc + questions[0], whole, third_tokens)):  # fmt: skip
+        again, _, usage, _ = _generate(fresh, prompt, {**kv, "kv_compress_at": at})
+        assert "reused_tokens" not in usage and again == tokens
 
 
 def test_auto_leaves_a_tentative_session_that_a_next_turn_continues(fresh, tokenizer):
-    """``kv_compress_at: "auto"`` on a prompt that shares nothing: compressed whole, as a
-    tentative session, so a chat's second turn already continues its cache (with the tokens
-    an explicit ``kv_session`` chain gives), and unread tentative entries never keep a waiting
-    request waiting: within the base share they give way, and nobody is preempted."""
+    """``kv_compress_at: "auto"`` on a prompt that shares nothing: compressed whole but its
+    last token (the tokens ``kv_compress_at`` at that point gives), as a tentative session, so
+    a chat's second turn already continues its cache, and unread tentative entries never keep
+    a waiting request waiting: within the base share they give way, and nobody is
+    preempted."""
     engine, prefix = fresh, fresh.scheduler.obcache_prefix
     kv = {"kv_budget": 0.25, "kv_pipeline": "tova", "kv_compress_at": "auto"}
     turn1 = _doc(tokenizer, seed=43) + _questions(tokenizer)[0]
     share = prefix.held.limit, prefix.held.base
     try:
         tokens1, _, usage1, _ = _generate(engine, turn1, kv, max_tokens=12)
-        assert "compress_at" not in usage1 and "reused_tokens" not in usage1
+        # all but its last token (a repeat would adopt it), nothing reused
+        assert usage1["compress_at"] == len(turn1) - 1 and "reused_tokens" not in usage1
         (entry_id,) = prefix.held._held
         assert prefix.held.is_tentative(entry_id)
         turn2 = turn1 + tokens1 + _questions(tokenizer)[1]
@@ -309,10 +319,9 @@ def test_auto_leaves_a_tentative_session_that_a_next_turn_continues(fresh, token
         assert not any(prefix.held.is_tentative(e) for e in prefix.held._held)  # adopted
         prefix.release_all()
         assert engine.llm.reset_prefix_cache()
-        explicit = {"kv_budget": 0.25, "kv_pipeline": "tova", "kv_session": True}
+        # the first turn is what compressing at the same point gives
+        explicit = {"kv_budget": 0.25, "kv_pipeline": "tova", "kv_compress_at": len(turn1) - 1}
         assert _generate(engine, turn1, explicit, max_tokens=12)[0] == tokens1
-        again, _, usage, _ = _generate(engine, turn2, explicit, max_tokens=12)
-        assert usage["session_turn"] == 2 and again == tokens2
         prefix.release_all()
         assert engine.llm.reset_prefix_cache()
         # Five entries: raise the share so that all are held (and within it: only their being

@@ -108,9 +108,9 @@ def test_follow_up_turns_of_one_chat_sent_at_once_match_each_alone(server: Serve
 
 def test_auto_compresses_a_shared_document_once_and_followers_match_each_alone(server: Server):
     """``kv_compress_at: "auto"`` (the server policy's default point): the first question over a
-    document compresses its whole prompt, the second the document's shared blocks (a new
-    entry), the rest, sent at once, adopt that entry; each gets the text of the same request
-    computed alone at the same point under a cache salt of its own."""
+    document compresses its whole prompt but its last token, the second the document's shared
+    blocks (a new entry), the rest, sent at once, adopt that entry; each gets the text of the
+    same request computed alone at the same point under a cache salt of its own."""
     doc = _tokenize(server, haystack(40, seed=61))[:1009]
     questions = [_tokenize(server, f" Question {i}: what was traded in season {i}? Answer:")
                  for i in range(2 + len(STAGGER_S))]  # fmt: skip
@@ -123,7 +123,8 @@ def test_auto_compresses_a_shared_document_once_and_followers_match_each_alone(s
         return {**b, "cache_salt": salt} if salt else b
 
     status, first = server.post_json("/v1/completions", body(questions[0]))
-    assert status == 200 and "compress_at" not in first["usage"]["obcache"], first["usage"]
+    assert status == 200, first  # a first sighting: all but its last token
+    assert first["usage"]["obcache"]["compress_at"] == len(doc + questions[0]) - 1
     status, second = server.post_json("/v1/completions", body(questions[1]))
     assert status == 200, second
     shared = second["usage"]["obcache"]["compress_at"]
@@ -161,16 +162,54 @@ def test_auto_serves_a_chats_next_turns_as_a_session_and_each_matches_alone(serv
             assert status == 200, reply
             text = reply["choices"][0]["message"]["content"]
             messages = [*messages, {"role": "assistant", "content": text}]
-            usages.append(reply["usage"]["obcache"])
+            usages.append({**reply["usage"]["obcache"],
+                           "prompt_tokens": reply["usage"]["prompt_tokens"]})  # fmt: skip
             texts.append(text)
         return usages, texts
 
     usages, texts = converse()
     assert [u.get("session_turn") for u in usages] == [None, 2, 3, 4], usages
-    assert all("compress_at" not in u for u in usages)  # a session compresses each prompt
+    # the first turn all but its last token (a repeat of it would adopt that), a session's
+    # turns each prompt whole
+    assert usages[0]["compress_at"] == usages[0]["prompt_tokens"] - 1
+    assert all("compress_at" not in u for u in usages[1:])
     again, replayed = converse("alone-auto-chat")
     assert [u.get("session_turn") for u in again] == [None, 2, 3, 4]
     assert texts == replayed
+    assert _verify_faults(server) == faults
+
+
+def test_re_sent_contexts_are_served_from_their_first_compression_with_its_answer(
+    server: Server,
+):
+    """A context sent again (a retry, an agent re-sending it): under ``kv_compress_at:
+    "auto"`` its first sighting compressed all but its last token and left that compressed
+    prompt on its (tentative) session entry's blocks; each re-send, several in flight at once
+    and newest first, compresses at the same point, adopts it (reusing all but one token) and
+    answers exactly as the first did."""
+    kv = {"kv_budget": 0.25, "kv_pipeline": "tova", "kv_compress_at": "auto"}
+    faults = _verify_faults(server)
+
+    def body(i: int) -> dict:
+        system = {"role": "system", "content": f"Archive {i}:\n" + haystack(30, seed=300 + i)}
+        ask = {"role": "user", "content": f"Which town appears first in archive {i}?"}
+        return {"model": MODEL_NAME, "messages": [system, ask], "max_tokens": 12,
+                "temperature": 0, **kv}  # fmt: skip
+
+    firsts = []
+    for i in range(3):
+        status, reply = server.post_json("/v1/chat/completions", body(i))
+        assert status == 200, reply
+        firsts.append(reply)
+    again = _post_all(server, "/v1/chat/completions", [body(i) for i in (2, 1, 0)])[::-1]
+    for first, reply in zip(firsts, again, strict=True):
+        u0, u = first["usage"]["obcache"], reply["usage"]["obcache"]
+        assert "reused_from" not in u0
+        assert u0["compress_at"] == first["usage"]["prompt_tokens"] - 1
+        assert u.get("reused_from") == "compress_at", u
+        assert u["reused_tokens"] == u["compress_at"] == u0["compress_at"]
+        text = reply["choices"][0]["message"]["content"]
+        assert text == first["choices"][0]["message"]["content"]
     assert _verify_faults(server) == faults
 
 

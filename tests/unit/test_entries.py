@@ -80,8 +80,10 @@ def test_entry_pool_share_from_the_environment():
 
 
 def test_entry_pool_share_max_from_the_environment():
-    assert entry_pool_share_max({}) == 0.25  # unset: the base share, no surplus
-    assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE_MAX": "0.75"}) == 0.75
+    assert entry_pool_share_max({}) == 0.75  # unset: three quarters while no request waits
+    assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE_MAX": "0.5"}) == 0.5
+    # the release before: the base share only
+    assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE_MAX": "0.25"}) == 0.25
     # never below the base share; holding off turns the surplus off too
     assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE": "0.9"}) == 0.9
     assert entry_pool_share_max({"OBCACHE_ENTRY_POOL_SHARE": "0"}) == 0.0
@@ -100,3 +102,98 @@ def test_holds_above_the_base_share_give_way_to_a_waiting_request():
     assert held.blocks == 4 and held.surplus_victim() is None  # back within the base share
     with pytest.raises(ValueError):
         HeldEntries(limit=4, base=5)
+
+
+def _round_robin(victims: str, rounds: int = 6) -> int:
+    """Reads that found their entry: 4 conversations taken in turn, each turn reading its
+    conversation's last entry and leaving a new one of 4 blocks, in room for 3 of them."""
+    held = HeldEntries(limit=12, victims=victims)
+    current: dict[int, int] = {}  # conversation -> its newest entry
+    found = 0
+    next_id = 1
+    for _ in range(rounds):
+        for conv in range(4):
+            held.tick()
+            parent = current.get(conv)
+            if parent is not None and parent in held:
+                held.used(parent)
+                found += 1
+            elif parent is not None:
+                held.missed(parent)  # as the adapter does on finding it stale
+            if parent is not None:
+                held.drop(parent)  # the turn's entry takes its parent's blocks over
+            held.hold(next_id, 4, like=parent)
+            current[conv] = next_id
+            next_id += 1
+    return found
+
+
+def test_reuse_order_keeps_the_entries_a_round_robin_reads_next():
+    # LRU releases exactly the entry the next turn reads: after the first round, no turn
+    # finds its entry. Ranking by predicted reuse keeps three of four conversations going.
+    assert _round_robin("lru") == 0
+    assert _round_robin("reuse") >= 14  # of 20 follow-ups; 3 in 4 is the room's bound
+
+
+def test_reuse_order_releases_overdue_entries_first():
+    held = HeldEntries(limit=8)
+    assert held.hold(1, 4) == [] and held.hold(2, 4) == []
+    held.tick()
+    held.used(2)  # read after one access: a short predicted distance for 2 and the prior
+    for _ in range(6):
+        held.tick()
+    # 1 was never read and has idled far past the prior: it goes before 2, and before a new
+    # entry whose next read is predicted at the prior's distance
+    assert held.oldest() == 1 and held.hold(3, 4) == [1]
+    # an entry predicted to be read later than every held one is not held, releasing nothing
+    held = HeldEntries(limit=4)
+    assert held.hold(9, 4) == []
+    for _ in range(5):
+        held.tick()
+    held.used(9)  # a conversation read after 5 accesses
+    held.drop(9)
+    assert held.hold(1, 4) == []
+    held.tick()
+    held.used(1)  # read after 1 access: read again soon
+    assert held.hold(2, 4, like=9) is None and 2 not in held and 1 in held  # 9's cadence
+    with pytest.raises(ValueError):
+        HeldEntries(4, victims="mru")
+
+
+def test_entry_victims_from_the_environment():
+    from obcache_vllm.config import entry_victims
+
+    assert entry_victims({}) == "reuse"
+    assert entry_victims({"OBCACHE_ENTRY_VICTIMS": "lru"}) == "lru"
+    with pytest.raises(ConfigError, match="OBCACHE_ENTRY_VICTIMS"):
+        entry_victims({"OBCACHE_ENTRY_VICTIMS": "fifo"})
+
+
+def test_a_turn_takes_its_parents_hold_over_or_leaves_it():
+    held = HeldEntries(limit=10)
+    assert held.hold(1, 6) == []
+    # the parent's blocks count as room: no other entry goes, and the parent is dropped
+    assert held.hold(2, 8, like=1, replaces=1) == [] and 1 not in held and held.blocks == 8
+    # a new entry that ranks first is not held, and the entry it would replace keeps its hold
+    held = HeldEntries(limit=8)
+    assert held.hold(9, 8) == []
+    for _ in range(5):
+        held.tick()
+    held.used(9)  # a slow conversation
+    held.drop(9)
+    assert held.hold(1, 4) == [] and held.hold(3, 4) == []
+    held.tick()
+    held.used(1)
+    held.used(3)
+    assert held.hold(2, 8, like=9, replaces=3) is None and 3 in held and held.blocks == 8
+    # ...and is remembered: a later read of it measures its distance
+    held.tick()
+    held.used(2)
+    assert held._measured[2] > 0
+
+
+def test_lru_holds_every_new_entry_as_earlier_versions_did():
+    held = HeldEntries(limit=10, victims="lru")
+    assert held.hold(1, 10) == []
+    assert held.hold(2, 5, tentative=True) == [1] and 2 in held  # the new one is held
+    assert held.hold(3, 6) == [2] and held.blocks == 6

@@ -61,15 +61,39 @@ def test_auto_point(shared: int, prompt: int, point: int | None) -> None:
     assert auto_point(shared, prompt) == point
 
 
+def test_a_repeated_prompt_compresses_where_it_was_compressed_before() -> None:
+    index = PrefixSightings(block_size=16)
+    prompt = list(range(1, 41))  # 2 whole blocks and an 8-token tail
+    first = index.observe(prompt)
+    assert (first.shared, first.continues, first.repeats, first.point) == (0, False, False, None)
+    index.remember(prompt, None, 39)  # a first sighting: all but its last token
+    again = index.observe(prompt)
+    assert (again.shared, again.continues, again.repeats, again.point) == (32, False, True, 39)
+    # not the shared blocks' end (32): where the first was compressed
+    assert auto_point(again.shared, 40) == 32 and auto_point(again.shared, 40, again.point) == 39
+    index.remember(prompt, None, None)  # compressed whole (no point): the usual rule
+    assert index.observe(prompt).point is None
+    # another salt, or one token more or less, is no repeat
+    assert not index.observe(prompt, seed="salt").repeats
+    assert not index.observe(prompt[:-1]).repeats and not index.observe([*prompt, 7]).repeats
+    index.remember([5] * 40, None, 12)  # never observed: nothing recorded
+    assert not index.observe([5] * 40).repeats
+
+
 def test_auto_resolves_to_the_point_or_the_whole_prompt() -> None:
     request = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
     assert request.compress_at == options.AUTO
     at = request.resolve(1000, auto_point=800)
     assert (at.compress_at, at.budget) == (800, 200)  # the fraction is of the shared prefix
     whole = request.resolve(1000)
-    assert (whole.compress_at, whole.budget) == (None, 250)
-    # compressed whole, it may be a chat's first turn: a tentative session
+    # compressed whole but its last token (computed on the compressed cache, so a repeat of
+    # the prompt adopts this cache: options.FIRST_POINT); it may be a chat's first turn: a
+    # tentative session
+    assert (whole.compress_at, whole.budget) == (999, 250)
     assert (whole.session, whole.tentative) == (True, True)
+    # where the budget leaves no room before the last token, the whole prompt as before
+    tight = options.parse_request({"kv_budget": 999, "kv_compress_at": "auto"}).resolve(1000)
+    assert (tight.compress_at, tight.session, tight.tentative) == (None, True, True)
     assert (at.session, at.tentative) == (False, False)
     # a continuation is a session of its own, not tentative
     turn = request.resolve(1000, auto_session=True)
@@ -80,11 +104,13 @@ def test_auto_resolves_to_the_point_or_the_whole_prompt() -> None:
     assert (h2o.resolve(1000).session, h2o.resolve(1000).tentative) == (False, False)
     # the wire form carries it
     assert options.KvOptions.from_wire(whole.to_wire()).tentative is True
-    # a point whose budget leaves no room beyond the sinks and recent tokens: the whole prompt
-    assert request.resolve(1000, auto_point=60).compress_at is None
+    # a point whose budget leaves no room beyond the sinks and recent tokens: the whole
+    # prompt (but its last token), as a first sighting
+    low = request.resolve(1000, auto_point=60)
+    assert (low.compress_at, low.tentative) == (999, True)
     # a token budget at least the point: nothing to evict there, the whole prompt
     fixed = options.parse_request({"kv_budget": 300, "kv_compress_at": "auto"})
-    assert fixed.resolve(1000, auto_point=200).compress_at is None
+    assert fixed.resolve(1000, auto_point=200).compress_at == 999
     assert fixed.resolve(1000, auto_point=800).compress_at == 800
 
 

@@ -351,3 +351,23 @@ def test_the_harness_sees_a_stall_and_a_stock_difference(monkeypatch):
         ours, stock = paired(generate(RandomDraw(seed), stock_only=True), end=False)
         differs += ours.trace != stock.trace[: len(ours.trace)] or tokens(ours) != tokens(stock)
     assert differs
+
+
+def test_a_repeated_prompt_is_served_from_its_first_sightings_cache_exactly():
+    """Re-sent contexts: the first sighting of a prompt under ``"auto"`` compresses all but its
+    last token (a tentative session), and leaves that compressed prefix as a ``kv_compress_at``
+    entry on the session entry's own blocks; the same prompt sent again compresses at the same
+    point, adopts it (the harness checks the entry against a recompute of the prefix) and
+    samples the same tokens."""
+    auto = (("kv_budget", 0.25), ("kv_compress_at", "auto"))
+    config = SimConfig(num_blocks=40, max_batched_tokens=48, share=0.25, share_max=0.75)
+    ops = (Add(1, 0, 150, 0, 6, auto), Step(20), Add(2, 0, 150, 0, 6, auto), Step(20),
+           Add(3, 0, 150, 0, 6, auto), Step(20))  # fmt: skip
+    sim = assert_clean(Case(config, ops))
+    first, *again = (sim.results[r] for r in ("r1", "r2", "r3"))
+    assert first.outcome.get("compress_at") == 149 and "reused_from" not in first.outcome
+    for r in again:
+        assert r.outcome.get("reused_from") == "compress_at", r.outcome
+        assert r.outcome.get("compress_at") == 149 and r.tokens == first.tokens
+    counts = sim.scheduler.obcache_prefix.counts
+    assert counts[("compress_at", "hit")] == 2 and counts[("compress_at", "created")] == 1

@@ -18,13 +18,12 @@ objects):
   later request with the same tokens, options and cache salt adopts an entry as a prefix hit
   ``[null] * dead + live`` (vLLM copies a partial last block itself; a copy chained on the
   entry's own pending copy is resolved by :meth:`.blocks.PoolAdapter.take_kv_cache_block_copies`).
-  Entries are held out
-  of the LRU within ``OBCACHE_ENTRY_POOL_SHARE_MAX`` of the pool (one reference per block,
-  :class:`~obcache_vllm.eviction.entries.HeldEntries`) and given up, least recently adopted
-  first, when an allocation fails for a running request (before vLLM preempts), for a
-  waiting one while more than ``OBCACHE_ENTRY_POOL_SHARE`` is held, or for a waiting one with
-  nothing running (:meth:`PrefixAdapter.reclaim`, called by
-  :meth:`.blocks.PoolAdapter.allocate_slots`).
+  Entries are held out of the LRU within ``OBCACHE_ENTRY_POOL_SHARE_MAX`` of the pool (one
+  reference per block, :class:`~obcache_vllm.eviction.entries.HeldEntries`) and given up, the
+  one whose next read is predicted furthest away first (``OBCACHE_ENTRY_VICTIMS``), when an
+  allocation fails for a running request (before vLLM preempts), for a waiting one while more
+  than ``OBCACHE_ENTRY_POOL_SHARE`` is held, or for a waiting one with nothing running
+  (:meth:`PrefixAdapter.reclaim`, called by :meth:`.blocks.PoolAdapter.allocate_slots`).
 * **KV events** (``--kv-events-config``): registered blocks hold stock KV and are published
   by vLLM as usual; entry blocks carry tags (:func:`~obcache_vllm.eviction.entries.tag`)
   that no token lookup can match, are never published, and their ``BlockRemoved`` events are
@@ -40,10 +39,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections import OrderedDict
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from obcache_vllm.config import entry_pool_share, entry_pool_share_max
+from obcache_vllm.config import entry_pool_share, entry_pool_share_max, entry_victims
 from obcache_vllm.eviction.entries import Entry, EntryIndex, EntryKey, HeldEntries, is_tag, tag
 from obcache_vllm.eviction.ledger import CacheStart, RequestBlocks
 from obcache_vllm.vllm_ext import seams
@@ -60,7 +60,7 @@ def _cdiv(a: int, b: int) -> int:
 class PrefixAdapter:
     """One scheduler's view of vLLM's prefix cache for budgeted requests."""
 
-    def __init__(self, scheduler, pool_adapter, capacity: int = 256) -> None:
+    def __init__(self, scheduler, pool_adapter, capacity: int = 512) -> None:
         self.scheduler = scheduler
         self.manager = scheduler.kv_cache_manager
         self.pool = self.manager.block_pool
@@ -73,9 +73,14 @@ class PrefixAdapter:
         self.entries = EntryIndex(capacity)
         usable = self.pool.num_gpu_blocks - 1
         self.held = HeldEntries(
-            int(entry_pool_share_max() * usable), base=int(entry_pool_share() * usable)
+            int(entry_pool_share_max() * usable),
+            base=int(entry_pool_share() * usable),
+            victims=entry_victims(),
         )
         self._held_blocks: dict[int, list] = {}  # entry id -> the blocks it holds a ref on
+        # An entry held through another's hold (its blocks are the other's: _expose_point)
+        # -> that entry, so adopting the first counts as a read of the second.
+        self._holder: OrderedDict[int, int] = OrderedDict()
         # Destination block id -> its entry, for entry copies queued and not yet taken by
         # vLLM's schedule() (between two steps; see drop_pending_copies).
         self._copying: dict[int, Entry] = {}
@@ -212,9 +217,16 @@ class PrefixAdapter:
         an entry it adopted is now in use (the last held to be released, no longer
         tentative). Nothing of this happens for a lookup whose request is not admitted."""
         start = blocks.start
-        if start is not None and start.entry_id is not None:
-            self.held.used(start.entry_id)
         found, blocks.lookup = blocks.lookup, None
+        if found is not None and not blocks.read_counted:
+            # one access of the entries (hit or miss); a request admitted again after a
+            # preemption is the same access
+            blocks.read_counted = True
+            self.held.tick()
+            if start is not None and start.entry_id is not None:
+                self.held.used(self._holder.get(start.entry_id, start.entry_id))
+        elif start is not None and start.entry_id is not None:
+            self.held.used_again(self._holder.get(start.entry_id, start.entry_id))
         if found is None:
             return
         kind, hit = found
@@ -227,6 +239,10 @@ class PrefixAdapter:
     def _adopt(self, request, blocks: RequestBlocks, kind: str):
         at_most = request.num_tokens - 1  # vLLM recomputes at least the last token
         entry, stale = self._longest(request, blocks, kind, at_most)
+        if stale:  # wanted, but its blocks were reused: the hold policy learns of it (the
+            # longest only: shorter ones are its ancestors, which a turn's entry supersedes)
+            self.held.missed(self._holder.get(stale[0].entry_id, stale[0].entry_id))
+            self.count(stale[0].key.kind, "wanted_again")
         self._release(stale, evicted=True)
         if entry is None:
             blocks.lookup = (kind, None)
@@ -407,37 +423,80 @@ class PrefixAdapter:
             donor=request.request_id,
             source_ids=tuple(b.block_id for b in live),
         )
-        self._insert(entry, live, tentative=blocks.options.tentative and depth == 1)
         parent = blocks.start.entry_id if blocks.start and blocks.start.compressed else None
-        if parent is not None and entry.entry_id in self.held:
-            # The turn continues its parent: the new entry holds every block the two share,
-            # so the parent's hold passes to it rather than competing for the share.
-            self._unhold(parent, counted=False)
+        # A turn that continued its parent: the new entry holds every block the two share, so
+        # the parent's hold passes to it rather than competing with it for the share (and
+        # stays with the parent if the new entry is not held).
+        self._insert(entry, live, tentative=blocks.options.tentative and depth == 1, like=parent,
+                     replaces=parent)  # fmt: skip
+        self._expose_point(request, blocks, entry)
         return entry
+
+    def _expose_point(self, request, blocks: RequestBlocks, entry: Entry) -> None:
+        """A session compressed at a point before its prompt's end (a first sighting under
+        ``kv_compress_at: "auto"``, :data:`~obcache_vllm.options.FIRST_POINT`) and nowhere
+        else also leaves its compressed first ``point`` tokens as a ``kv_compress_at`` entry:
+        the session entry's own first blocks, under the same tags, no copy. The same prompt
+        sent again resolves to that point and adopts it: exactly the cache, hence the answer,
+        its first sighting had. Nothing wrote those blocks since the eviction at the point
+        (no ``kv_decode``; a turn that continues either entry copies what it compacts), and
+        the entry is held through the session entry's hold (:attr:`_holder`)."""
+        o = blocks.options
+        start = blocks.start
+        if o.compress_at is None or o.decode or (start is not None and start.compressed):
+            return
+        point = o.compress_at
+        n = _cdiv(point, self.block_size) - entry.dead
+        if not 0 < n <= len(entry.block_ids):
+            return
+        exposed = Entry(
+            key=self.key_at(request, blocks, "compress_at", point),
+            entry_id=self.entries.new_id(),
+            block_ids=entry.block_ids[:n],
+            hashes=entry.hashes[:n],
+            dead=entry.dead,
+            kept_prompt=point - entry.dead * self.block_size,
+            donor=request.request_id,
+            source_ids=entry.source_ids[:n],
+        )
+        if self.record_made:
+            self._made.append(exposed)
+        self.count("compress_at", "created")
+        self._release(self.entries.insert(exposed), evicted=True)
+        self._holder[exposed.entry_id] = entry.entry_id
+        while len(self._holder) > 2 * self.entries.capacity:
+            self._holder.popitem(last=False)
 
     def take_made(self) -> list[Entry]:
         """The entries made since the last call (recorded only with ``record_made``)."""
         made, self._made = self._made, []
         return made
 
-    def _insert(self, entry: Entry, blocks, tentative: bool = False) -> None:
+    def _insert(self, entry: Entry, blocks, tentative: bool = False, like: int | None = None,
+                replaces: int | None = None) -> None:  # fmt: skip
         if self.record_made:
             self._made.append(entry)
         self.count(entry.key.kind, "created")
         self._release(self.entries.insert(entry), evicted=True)
-        self._hold(entry, blocks, tentative)
+        self._hold(entry, blocks, tentative, like, replaces)
 
     # -- held entries (eviction.entries.HeldEntries) -----------------------------------------
-    def _hold(self, entry: Entry, blocks, tentative: bool = False) -> None:
+    def _hold(self, entry: Entry, blocks, tentative: bool = False, like: int | None = None,
+              replaces: int | None = None) -> None:  # fmt: skip
         """Take one reference on each block of a new entry, within the held share (a
-        tentative one as surplus: see :class:`HeldEntries`)."""
-        released = self.held.hold(entry.entry_id, len(blocks), tentative)
+        tentative one as surplus; ``like``: the entry whose reuse distance it inherits;
+        ``replaces``: a held entry whose hold it takes over; see :class:`HeldEntries`).
+        The new entry's references are taken before the replaced one's are dropped, so a
+        block the two share is never free in between."""
+        released = self.held.hold(entry.entry_id, len(blocks), tentative, like, replaces)
         if released is None:
             return
         for entry_id in released:
             self._unhold(entry_id)
         self.pool.touch(blocks)
         self._held_blocks[entry.entry_id] = (entry.key.kind, list(blocks))
+        if replaces is not None and replaces in self._held_blocks:
+            self._unhold(replaces, counted=False)  # HeldEntries dropped it already
 
     @property
     def held_surplus(self) -> int:
@@ -476,7 +535,7 @@ class PrefixAdapter:
         return len({b.block_id for _, blocks in self._held_blocks.values() for b in blocks})
 
     def reclaim(self, request) -> bool:
-        """An allocation for ``request`` failed: release the least recently used held entry if
+        """An allocation for ``request`` failed: release the first held entry in release order if
         that is what stands between the request and the pool (a running request would be
         preempted; a waiting one, with nothing running, would never be admitted). A waiting
         request while others run gets the holds above the base share (not the entry it adopts:
@@ -490,7 +549,8 @@ class PrefixAdapter:
         if request.status != RequestStatus.RUNNING and self.scheduler.running:
             blocks = self.scheduler.obcache_ledger.get(request.request_id)
             start = blocks.start if blocks is not None else None
-            victim = self.held.surplus_victim(start.entry_id if start is not None else None)
+            adopts = start.entry_id if start is not None else None
+            victim = self.held.surplus_victim(self._holder.get(adopts, adopts))
             if victim is None:
                 return False
             self._unhold(victim)

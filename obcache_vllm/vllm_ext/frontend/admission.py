@@ -280,7 +280,7 @@ def choose_point(vllm_config, request: KvRequest, prompt_token_ids, seed):
         return None, False
     index = sightings(vllm_config.cache_config.block_size)
     seen = index.observe(prompt_token_ids, seed)
-    return auto_point(seen.shared, len(prompt_token_ids)), seen.continues
+    return auto_point(seen.shared, len(prompt_token_ids), seen.point), seen.continues
 
 
 def admit(
@@ -319,6 +319,16 @@ def admit(
         if threshold is not None:
             return None
         raise
+    if (
+        request.compress_at == AUTO
+        and prompt_token_ids is not None
+        and not prompt_embeds
+        and vllm_config.cache_config.enable_prefix_caching
+    ):
+        # where it was compressed: the same prompt again compresses there and adopts its entry
+        sightings(vllm_config.cache_config.block_size).remember(
+            prompt_token_ids, seed, admitted.options.compress_at
+        )
     return Admitted(admitted.options, admitted.request, from_policy=threshold is not None)
 
 

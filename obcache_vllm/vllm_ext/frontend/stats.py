@@ -108,7 +108,7 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         for kind, what, count in payload.get("prefix", ()):
             if what in ("hit", "miss"):
                 self._advance(engine_idx, self.obcache_lookups, count, kind=kind, result=what)
-            elif what in ("created", "evicted", "released"):
+            elif what in ("created", "evicted", "released", "wanted_again"):
                 self._advance(engine_idx, self.obcache_entries, count, kind=kind, event=what)
             elif what == "reused_tokens":
                 self._advance(engine_idx, self.obcache_reused, count, kind=kind)

@@ -18,7 +18,7 @@ Safety
     chooses a compress point only for pipelines that leave and adopt entries);
   * ``outcome``: no finished request reports a negative resident count;
   * ``tentative``: a tentative session entry becomes an ordinary one only when a request
-    that adopts it is admitted;
+    that adopts it (or the compressed prefix exposed on its blocks) is admitted;
   * ``copy_preempts``: a step that preempts a running request starts with no entry copy
     queued (an entry is made from room the running requests do not need next).
 
@@ -124,6 +124,9 @@ def _entries(sim, out) -> None:
         record = ledger.get(req_id)
         if record is not None and record.start is not None and record.start.entry_id:
             adopted.add(record.start.entry_id)
+            # an entry on another's blocks (a first sighting's compressed prefix) is a read
+            # of the entry that holds them
+            adopted.add(sim.scheduler.obcache_prefix._holder.get(record.start.entry_id))
     for entry_id in getattr(sim, "_tentative", set()) - now:
         if entry_id in held and entry_id not in adopted:
             sim.worker.violate("tentative", f"entry {entry_id} stopped being tentative with "

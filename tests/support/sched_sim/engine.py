@@ -47,7 +47,7 @@ from .worker import LAYER, SymbolicWorker, Violation
 class SimConfig:
     """One simulated engine. ``plugin``: obcache-vllm's scheduler (else vLLM's own, the stock
     reference); ``share``/``share_max``: the held entries' shares of the pool
-    (``OBCACHE_ENTRY_POOL_SHARE``/``_MAX``)."""
+    (``OBCACHE_ENTRY_POOL_SHARE``/``_MAX``); ``victims``: which held entry goes first."""
 
     num_blocks: int = 40
     block_size: int = 8
@@ -58,6 +58,7 @@ class SimConfig:
     plugin: bool = True
     share: float = 0.25
     share_max: float = 0.5
+    victims: str = "reuse"  # HeldEntries.victims (OBCACHE_ENTRY_VICTIMS)
     verify: bool = True
 
 
@@ -158,7 +159,7 @@ class Sim:
         if cfg.plugin:
             usable = cfg.num_blocks - 1
             self.scheduler.obcache_prefix.held = HeldEntries(
-                int(cfg.share_max * usable), base=int(cfg.share * usable)
+                int(cfg.share_max * usable), base=int(cfg.share * usable), victims=cfg.victims
             )
         self.worker = SymbolicWorker(self.scheduler, cfg.block_size, cfg.num_blocks, cfg.plugin)
         self._poison_fresh_blocks()
