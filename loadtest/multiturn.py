@@ -12,7 +12,10 @@ This module does the same, smaller for a CPU (defaults below), with text from
 
 * common prefix ~300 tokens (a system message shared by every conversation), each
   conversation's own document ~600 tokens in its first user turn, user turns ~60-100 tokens,
-  answers 40-60 tokens, 6-8 user turns: prompts grow from ~1,000 to ~1,900 tokens;
+  answers 40-60 tokens, 6-8 user turns: prompts grow from ~1,000 to ~1,900 tokens
+  (``--shape light``, the default); ``--shape vllm``: vLLM's client's parameters as users run
+  it on a CPU-sized pool, 800-1,200-token documents, 32-48-token answers, 12-16 user turns
+  (prompts up to ~3,000 tokens; a conversation past ``--max-model-len`` ends in an error);
 * ``--conversations 8 --clients 2 --active 4``, ``/v1/chat/completions``, streamed with usage,
   greedy, ``seed`` 0.
 
@@ -24,11 +27,14 @@ Arms (``--arms``), each a fresh ``obcache-vllm serve`` with ``--num-gpu-blocks-o
 prompt as a session: a chat's third and later turns continue), ``policy-session-id`` (the same,
 each conversation's requests carrying vLLM's ``X-Session-ID`` header, as a client of
 vllm-router's ``consistent_hash`` sends it: every turn is a session from the first).
+``ARM:before`` runs a plugin arm with the held-entry policy of earlier versions
+(:data:`HOLD_PRESETS`), ``--env NAME=VALUE`` sets any server variable of every plugin arm.
 
 Reported per arm (``multiturn.md``, every request in ``multiturn.json``): requests/s, TTFT
 mean/p50/p99 of all requests and of turns >= 2, the follow-up turns that continued their session
 (``usage.obcache.reused_from == "session"``), the compressed-context lookups and entries the
-server counted, preemptions, ratios to stock::
+server counted, the blocks held for entries (mean and max, sampled each second), preemptions,
+ratios to stock::
 
     .venv/bin/python -m loadtest multiturn --out results/multiturn
 """

@@ -513,9 +513,11 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "evaluation harness's question of up to n tokens at the end). "
         '`"auto"`: a prompt that '
         'continues a recent `"auto"` prompt (a chat\'s next turn) is served as `kv_session`; '
-        "else k is the longest prefix (whole blocks, at least half the prompt) it shares with "
-        "a recent one, else the whole prompt, as a tentative `kv_session` (its final cache is "
-        "kept for a next turn while the pool has room); the server policy's default budget "
+        "a prompt seen before, all of it, is compressed where it was then (and adopts that "
+        "cache: the same answer); else k is the longest prefix (whole blocks, at least half "
+        "the prompt) it shares with a recent one, else all but its last token, as a tentative "
+        "`kv_session` (its final cache is kept for a next turn while the pool has room, and "
+        "its compressed prompt for a repeat of it); the server policy's default budget "
         "uses it. With `h2o` or `adakv`, whose caches never become entries to share, "
         '`"auto"` is the whole prompt. Unset: the whole prompt',
     ),

@@ -457,7 +457,9 @@ USAGE_FIELDS: dict[str, str] = {
     "scorer": "the scorer used",
     "pipeline": "the pipeline used",
     "compress_at": "where the prompt was compressed, when not at its end: the request's "
-    '`kv_compress_at`, or the shared prefix `"auto"` chose (absent: the whole prompt)',
+    '`kv_compress_at`, or the point `"auto"` chose (a shared prefix, where a repeated prompt was '
+    "compressed before, or all but the last token of a prompt it has not seen; absent: the "
+    "whole prompt)",
     "cached_tokens": "prompt tokens read from vLLM's prefix cache (stock KV, exact)",
     "reused_tokens": "prompt tokens taken from a cached compressed context",
     "reused_from": 'which kind of compressed context: "compress_at" or "session"',

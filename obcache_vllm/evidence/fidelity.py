@@ -59,11 +59,12 @@ import torch
 
 from obcache_vllm.evidence.eval.cells import ranks, takes_window
 from obcache_vllm.evidence.forcing import ForceTokensProcessor, track_rows
+from obcache_vllm.options import FIRST_POINT
 
 FIDELITY_KEY = "fidelity"
 FIDELITY_FQCN = "obcache_vllm.evidence.fidelity:FidelityProcessor"
 KINDS = ("bible", "code", "needle", "repeated", "chats")
-SETTINGS = ("aware", "agnostic")
+SETTINGS = ("aware", "agnostic", "first")
 PIPELINES = ("tova", "snapkv", "h2o", "streaming")
 
 
@@ -197,6 +198,8 @@ class Arm:
             kv["kv_window"] = 32
         if self.setting == "agnostic":
             kv["kv_compress_at"] = sample.point
+        elif self.setting == "first":  # where "auto" compresses a prompt it has not seen
+            kv["kv_compress_at"] = -FIRST_POINT
         return kv
 
 

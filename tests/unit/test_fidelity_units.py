@@ -23,6 +23,9 @@ def test_arms_cover_the_grid_once_with_the_control_first():
                                    "kv_compress_at": 80}  # fmt: skip
     aware = next(a for a in arms if a.name == "streaming+-@0.2/aware")
     assert "kv_compress_at" not in aware.kv(sample)
+    # "first": where kv_compress_at "auto" compresses a prompt it has not seen
+    (first,) = [a for a in fid.arms(["tova"], ["attn"], [0.2], ["first"]) if a.budget]
+    assert first.kv(sample)["kv_compress_at"] == -1
 
 
 def test_slices_are_seeded_windows_of_the_text():

@@ -115,7 +115,7 @@ def add_eval_parser(sub) -> None:
 # obcache_vllm.evidence.fidelity.KINDS
 FIDELITY_KINDS = ("bible", "code", "needle", "repeated", "chats")
 FIDELITY_DEFAULT_KINDS = ("bible", "code", "needle")
-FIDELITY_SETTINGS = ("aware", "agnostic")
+FIDELITY_SETTINGS = ("aware", "agnostic", "first")
 
 
 def _fidelity_options(p: argparse.ArgumentParser) -> None:
@@ -136,7 +136,9 @@ def _fidelity_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=csv_list(float), default=[0.1, 0.2, 0.3, 0.4],
                    help="fractions of the prompt (of the compressed part when agnostic)")
     p.add_argument("--settings", type=csv_list(str), default=["aware"],
-                   help="aware (evict at the prompt's end), agnostic (kv_compress_at)")
+                   help="aware (evict at the prompt's end), agnostic (kv_compress_at), first "
+                   "(all but the last token: where kv_compress_at \"auto\" compresses a prompt "
+                   "it has not seen)")
     p.add_argument("--decode", action="store_true", help="kv_decode in every arm")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="HF model directory (default: the default model)")
