@@ -374,7 +374,12 @@ UNTRACED = {  # (page, figure): how many times it may appear without a source, a
     ("docs/user_guide/error_target.md", "0.03"): (1, "a target of the calibration grid"),
     ("docs/user_guide/options.md", "0.33"): (1, "vLLM's version"),
     ("docs/user_guide/server.md", "0.25"): (1, "a default setting"),
-    ("docs/user_guide/sessions.md", "0.25"): (1, "a default setting"),
+    ("docs/user_guide/sessions.md", "0.25"): (2, "a default setting, a budget the load sends"),
+    ("docs/user_guide/sessions.md", "0.75"): (1, "a default setting"),
+    ("docs/user_guide/server.md", "0.75"): (1, "a default setting"),
+    ("docs/user_guide/troubleshooting.md", "0.75"): (1, "a default setting"),
+    ("docs/evidence/prefix_caching.md", "0.75"): (1, "a default setting"),
+    ("docs/evidence/sessions.md", "0.75"): (3, "a default setting, a share the arms use"),
     ("docs/user_guide/troubleshooting.md", "0.25"): (1, "a default setting"),
 }
 
