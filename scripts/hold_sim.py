@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 # policy -> (victims, OBCACHE_ENTRY_POOL_SHARE_MAX); "before" is the release before
 # reuse-ranked holds (least recently used first, the base share only)

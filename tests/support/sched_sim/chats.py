@@ -22,14 +22,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from loadtest import multiturn
 from obcache_vllm.config import DEFAULT_ENTRY_SHARE_MAX
 
 from .engine import Sim, SimConfig
 
 # The conversation shapes of loadtest.multiturn.SHAPES (server tokens), and its common prefix.
 SHAPES = {
-    "light": {"turns": (6, 8), "doc": (500, 700), "answers": (40, 60)},
-    "vllm": {"turns": (12, 16), "doc": (800, 1200), "answers": (32, 48)},
+    **multiturn.SHAPES,
     # vllm with one of light's parameters: which of them makes the difference
     "vllm-light-turns": {"turns": (6, 8), "doc": (800, 1200), "answers": (32, 48)},
     "vllm-light-doc": {"turns": (12, 16), "doc": (500, 700), "answers": (32, 48)},
