@@ -56,7 +56,7 @@ sim: setup
 	$(PY) scripts/sim.py --cases $(SIM_CASES) --minutes $(SIM_MINUTES) --seed $(SIM_SEED) --out results/sim
 
 ## The held-entry policy's simulator: multi-turn chats at several pool sizes under each hold
-## policy, on the scheduler harness (no model); report in results/hold-sim (about 4 minutes)
+## policy, on the scheduler harness (no model); report in results/hold-sim (a few minutes)
 hold-sim: setup
 	$(PY) scripts/hold_sim.py --out results/hold-sim
 
