@@ -250,9 +250,8 @@ class HeldEntries:
         # Entry id -> clock at its hold or last read, for held entries and recently released
         # ones (a released entry wanted again measures its distance too: :meth:`missed`).
         self._last: OrderedDict[int, int] = OrderedDict()
-        self._gap: dict[int, float] = {}  # held entry id -> its predicted reuse distance
-        # Measured distances of entries read lately (held or not), for a session turn's entry
-        # to inherit from the entry it continued (bounded: most recent last).
+        # Predicted reuse distance of each entry held or read lately (its own, or inherited
+        # from the entry a session turn continued), bounded: most recent last.
         self._measured: OrderedDict[int, float] = OrderedDict()
         self.prior: float | None = None  # running mean of measured reuse distances
         self.wanted_after_release = 0  # released entries a request wanted again (counted)
@@ -307,7 +306,6 @@ class HeldEntries:
         self.blocks += num_blocks
         self._touch(entry_id)
         if gap is not None:
-            self._gap[entry_id] = gap
             self._remember_gap(entry_id, gap)
         if tentative:
             self._tentative[entry_id] = None
@@ -339,10 +337,8 @@ class HeldEntries:
             return
         distance = float(self.clock - last)
         a = self.SMOOTHING
-        own = self._gap.get(entry_id, self._measured.get(entry_id))
+        own = self._measured.get(entry_id)
         gap = distance if own is None else a * distance + (1 - a) * own
-        if entry_id in self._held:
-            self._gap[entry_id] = gap
         self.prior = distance if self.prior is None else a * distance + (1 - a) * self.prior
         self._remember_gap(entry_id, gap)
         self._touch(entry_id)
@@ -400,7 +396,7 @@ class HeldEntries:
         def forecast(entry_id: int) -> tuple[bool, float]:
             if extra is not None and entry_id == extra[0]:
                 return self._forecast(extra[1], self.clock)
-            return self._forecast(self._gap.get(entry_id), self._last[entry_id])
+            return self._forecast(self._measured.get(entry_id), self._last[entry_id])
 
         seen = {e: forecast(e) for e in tentative + rest}
         overdue = sorted((e for e in seen if seen[e][0]), key=lambda e: seen[e][1], reverse=True)
@@ -436,6 +432,6 @@ class HeldEntries:
         if num_blocks is None:
             return False
         self._tentative.pop(entry_id, None)
-        self._gap.pop(entry_id, None)  # its last read stays in _last: it may be wanted again
+        # its last read and distance stay (_last, _measured): it may be wanted again
         self.blocks -= num_blocks
         return True
