@@ -48,15 +48,17 @@ class BlockNotWritableError(RuntimeError):
 class PoolAdapter:
     """vLLM's KV-cache manager as the block ledger sees it (one per scheduler)."""
 
-    def __init__(self, kv_cache_manager, ledger: BlockLedger, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv_cache_manager, ledger: BlockLedger, max_num_batched_tokens: int,
+                 group_index: int = 0, hybrid: bool = False) -> None:  # fmt: skip
         self.manager = kv_cache_manager
         self.ledger = ledger
         self.chunk = max_num_batched_tokens
         coordinator = kv_cache_manager.coordinator
-        managers = coordinator.single_type_managers
-        if len(managers) != 1:
-            raise RuntimeError("obcache-vllm supports single-group (non-hybrid) KV caches only")
-        self.group = managers[0]
+        # The group budgets evict in (:mod:`obcache_vllm.vllm_ext.groups`): the only one, or a
+        # hybrid model's global layers; its sliding-window groups are vLLM's alone.
+        self.group_index = group_index
+        self.hybrid = hybrid
+        self.group = coordinator.single_type_managers[group_index]
         self.pool = kv_cache_manager.block_pool
         self.pressure_admissions = 0  # kv_when "pressure" requests admitted compressed
         # Set by the prefix adapter: releases a held compressed entry for a request whose
@@ -164,7 +166,7 @@ class PoolAdapter:
         hit: it reads the block in the same forward pass, after the write)."""
         copies = self._copies_needed(request, blocks, kwargs)
         if copies and self.in_flight:
-            hit_blocks = kwargs["new_computed_blocks"].blocks[0]
+            hit_blocks = kwargs["new_computed_blocks"].blocks[self.group_index]
             if any(hit_blocks[i].block_id in self.in_flight for i in copies):
                 return False
         peak = blocks.peak_blocks(request.sampling_params.max_tokens or 1, self.chunk)
@@ -198,7 +200,7 @@ class PoolAdapter:
         hit = kwargs.get("new_computed_blocks")
         if blocks is None or hit is None or self.group.req_to_blocks.get(request.request_id):
             return []
-        hit_blocks = hit.blocks[0]
+        hit_blocks = hit.blocks[self.group_index]
         full = kwargs.get("num_new_computed_tokens", 0) // self.group.block_size
         return [i for i in blocks.copy_on_write(full) if not hit_blocks[i].is_null]
 

@@ -50,9 +50,6 @@ from obcache_vllm.vllm_ext import seams
 
 logger = logging.getLogger(__name__)
 
-GROUP = 0  # the single KV-cache group obcache-vllm supports
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -67,7 +64,11 @@ class PrefixAdapter:
         self.pool_adapter = pool_adapter
         self.group = pool_adapter.group
         self.block_size = pool_adapter.group.block_size
-        self.enabled = bool(self.manager.enable_caching) and (
+        self.group_id = pool_adapter.group_index  # the group of the hashes entries carry
+        # A hybrid model's budgeted requests neither read nor leave entries: a hit spans every
+        # group, and a sliding-window group's part cannot be trimmed or copied as the global
+        # group's (admission refuses the options that leave entries; reads are empty here).
+        self.enabled = bool(self.manager.enable_caching) and not pool_adapter.hybrid and (
             self.pool.hash_block_size == self.block_size
         )
         self.entries = EntryIndex(capacity)
@@ -164,7 +165,7 @@ class PrefixAdapter:
         if not blocks.reads_cache or self._only_admitted_compressed(request, blocks):
             return empty
         computed, num_local, boundary, diverged = ordinary()
-        allowed = self._written(computed.blocks[GROUP], blocks, blocks.exact_hit(num_local))
+        allowed = self._written(computed.blocks[self.group_id], blocks, blocks.exact_hit(num_local))
         allowed = self._affordable(request, blocks, allowed)
         if allowed < num_local:
             computed = self.manager.truncate_computed_blocks(computed, allowed)
@@ -329,7 +330,8 @@ class PrefixAdapter:
         if applied and request is not None:
             first, last = order.preserve[0][0], order.preserve[-1][0] + 1
             padded = [self.pool.null_block] * first + spare
-            self.pool.cache_full_blocks(request, padded, first, last, self.block_size, GROUP)
+            self.pool.cache_full_blocks(request, padded, first, last, self.block_size,
+                                        self.group_id)  # fmt: skip
             self.count("stock", "preserved", len(spare))
         self.pool.free_blocks(spare)
 
@@ -351,7 +353,7 @@ class PrefixAdapter:
         entry_id = self.entries.new_id()
         hashes = []
         for i, block in enumerate(dst):
-            key = make_block_hash_with_group_id(tag(entry_id, i), GROUP)
+            key = make_block_hash_with_group_id(tag(entry_id, i), self.group_id)
             self.pool._insert_block_hash(key, block, num_tokens=None)
             hashes.append(key)
         # vLLM's copy queue: drained by the next schedule(), run by the worker before the next
@@ -406,7 +408,7 @@ class PrefixAdapter:
         hashes = []
         for i, block in enumerate(live):
             if block.block_hash is None:  # this request's own block: tag it
-                key = make_block_hash_with_group_id(tag(entry_id, i), GROUP)
+                key = make_block_hash_with_group_id(tag(entry_id, i), self.group_id)
                 self.pool._insert_block_hash(key, block, num_tokens=None)
                 hashes.append(key)
             else:  # a stock block it shares with the prefix cache: keep its token hash

@@ -45,6 +45,7 @@ from obcache_vllm.vllm_ext.engine.blocks import PoolAdapter
 from obcache_vllm.vllm_ext.engine.prefix import PrefixAdapter
 from obcache_vllm.vllm_ext.engine.pressure import PressurePlanner
 from obcache_vllm.vllm_ext.engine.reporting import EngineReporter, log_fault
+from obcache_vllm.vllm_ext.groups import evicting_group
 from obcache_vllm.vllm_ext.wire import (
     DISABLED_ATTR,
     ORDERS_ATTR,
@@ -60,26 +61,35 @@ class OBCacheScheduler(Scheduler):
     """vLLM's ``Scheduler`` with per-request KV eviction (see the module docstring)."""
 
     def __new__(cls, *args, **kwargs):
-        """vLLM's own ``Scheduler`` for a KV cache of several groups (a hybrid model: sliding-
-        window and global layers, Gemma 2 and 3, GPT-OSS): such a model is served as stock vLLM
-        serves it, and budgets are refused at admission (``frontend/admission.py``) rather than
-        the engine failing to start. EngineCore builds the scheduler with keywords."""
+        """vLLM's own ``Scheduler`` (:class:`StockLayoutScheduler`) for a KV cache with no group
+        budgets can evict in (:func:`~obcache_vllm.vllm_ext.groups.evicting_group`: e.g. two
+        groups of global layers, Mamba): such a model is served as stock vLLM serves it, and a
+        budgeted request that got past admission is finished with an error, never served
+        silently unbudgeted. EngineCore builds the scheduler with keywords."""
         config = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
-        if config is not None and len(config.kv_cache_groups) != 1:
-            logger.info("obcache: %d KV-cache groups (a hybrid model): vLLM's own scheduler, "
-                        "budgets refused", len(config.kv_cache_groups))  # fmt: skip
-            plain = Scheduler.__new__(Scheduler)
+        group = evicting_group(config) if config is not None else None
+        if group is not None and group.index is None:
+            logger.info("obcache: %s: vLLM's own scheduler, budgets refused", group.reason)
+            plain = Scheduler.__new__(StockLayoutScheduler)
+            plain.obcache_reason = group.reason
             plain.__init__(*args, **kwargs)
             return plain
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        group = evicting_group(self.kv_cache_config)
+        if group.hybrid:
+            logger.info("obcache: %d KV-cache groups (a hybrid model): budgets evict in group "
+                        "%d (global layers); the sliding-window groups run as stock",
+                        group.num_groups, group.index)  # fmt: skip
         self.obcache_ledger = BlockLedger(self.block_size)
         self.obcache_pool = PoolAdapter(
             self.kv_cache_manager,
             self.obcache_ledger,
             self.scheduler_config.max_num_batched_tokens,
+            group.index,
+            group.hybrid,
         )
         self.obcache_prefix = PrefixAdapter(self, self.obcache_pool)
         self.obcache_pressure = PressurePlanner(self, self.obcache_ledger, self.obcache_pool)
@@ -347,19 +357,7 @@ class OBCacheScheduler(Scheduler):
         if torn:
             errored += self.finish_requests(torn, RequestStatus.FINISHED_ERROR)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        for request in errored:  # as vLLM reports its own per-request errors
-            eco = outputs.get(request.client_index)
-            if eco is None:
-                eco = outputs[request.client_index] = EngineCoreOutputs()
-            eco.outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    finish_reason=request.get_finished_reason(),
-                    events=request.take_events(),
-                    trace_headers=request.trace_headers,
-                )
-            )
+        _report_errored(outputs, errored)
         self.obcache_reporter.attach_outcomes(outputs, self.requests)
         return outputs
 
@@ -377,3 +375,59 @@ class OBCacheScheduler(Scheduler):
         if stats is not None:
             self.obcache_reporter.attach_stats(stats)
         return stats
+
+
+class StockLayoutScheduler(Scheduler):
+    """vLLM's ``Scheduler`` for a KV-cache layout budgets cannot evict in (see
+    :meth:`OBCacheScheduler.__new__`). Admission refuses budgets for the models known to give
+    such layouts; a budgeted request that reaches this scheduler all the same (a layout
+    admission could not foresee) is a counted fault, finished with an error before it runs."""
+
+    obcache_reason = "no KV-cache group to evict in"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._obcache_refused: list[str] = []
+        self._obcache_errored: list = []
+
+    def add_request(self, request) -> None:
+        params = request.sampling_params
+        try:
+            budgeted = params is not None and admitted_options(params.extra_args) is not None
+        except WireError:
+            budgeted = True
+        if budgeted:
+            log_fault(request.request_id, "admission", "layout", self.obcache_reason,
+                      "finished with an error before it ran")  # fmt: skip
+            self._obcache_refused.append(request.request_id)
+        super().add_request(request)
+
+    def schedule(self, *args, **kwargs):
+        if self._obcache_refused:
+            refused, self._obcache_refused = self._obcache_refused, []
+            self._obcache_errored += self.finish_requests(refused, RequestStatus.FINISHED_ERROR)
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        errored, self._obcache_errored = self._obcache_errored, []
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        _report_errored(outputs, errored)
+        return outputs
+
+
+def _report_errored(outputs, errored) -> None:
+    """Requests finished with an error outside a forward pass, reported as vLLM reports its own
+    per-request errors (one output with no tokens and the finish reason)."""
+    for request in errored:
+        eco = outputs.get(request.client_index)
+        if eco is None:
+            eco = outputs[request.client_index] = EngineCoreOutputs()
+        eco.outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+        )

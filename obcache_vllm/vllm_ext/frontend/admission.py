@@ -49,8 +49,16 @@ pressure, sessions, adakv)        measured inexact (one of four kv_decode reques
                                   (prompt end, kv_compress_at, prefill chunks) are served
 KV connectors / offloading        they assume positional block contents
 pipeline parallelism              layers (and their compactions) split across stages
-hybrid / attention-free models    several KV groups with different block sizes
-sliding-window models             vLLM already frees their head blocks itself
+state-space hybrid or             KV-cache groups that are not attention (Mamba state), or
+attention-free models             none at all
+sliding-window models without     vLLM already frees the blocks behind every layer's window
+global layers, or with the
+hybrid KV-cache manager off
+interleaved sliding-window        budgets evict in the global layers (prompt end, compress
+models (Gemma 2/3, GPT-OSS):      point, kv_decode); sessions, bounded-peak admission,
+sessions, kv_prefill_evict,       per-head memory and error targets are not built for several
+pressure, adakv, error targets    KV-cache groups (a request that reaches the engine on a
+                                  layout with no group to evict in is finished with an error)
 V2 model runner                   the eviction path hooks the V1 runner
 async scheduling                  orders would be planned on stale state (a step ahead)
 ``--scheduler-cls`` not ours      EngineCore would build a scheduler that never evicts
@@ -171,9 +179,10 @@ def unsupported_reason(vllm_config) -> str | None:
         )
     model_config = vllm_config.model_config
     if model_config.is_hybrid or model_config.is_attention_free:
-        return "hybrid / attention-free models are not supported with kv_budget"
-    if model_config.get_sliding_window() is not None:
-        return "sliding-window models are not supported with kv_budget"
+        return "hybrid state-space / attention-free models are not supported with kv_budget"
+    reason = _window_reason(vllm_config)
+    if reason is not None:
+        return reason
     if model_config.use_mla:
         return "MLA (multi-head latent attention) models are not supported with kv_budget"
     shared = getattr(model_config.hf_text_config, "num_kv_shared_layers", 0) or 0
@@ -187,6 +196,64 @@ def unsupported_reason(vllm_config) -> str | None:
     if vllm_config.scheduler_config.async_scheduling:
         return "async scheduling is not supported with kv_budget (--no-async-scheduling)"
     return _bound["scheduler"](vllm_config.scheduler_config)
+
+
+def interleaved(vllm_config) -> bool:
+    """Whether the model interleaves sliding-window and global attention layers (Gemma 2 and
+    3, GPT-OSS): vLLM gives it one KV-cache group of global layers, where budgets evict, and
+    groups of sliding-window layers left as stock (:mod:`obcache_vllm.vllm_ext.groups`)."""
+    model_config = vllm_config.model_config
+    if model_config.get_sliding_window() is None:
+        return False
+    kinds = set(getattr(model_config.hf_text_config, "layer_types", None) or ())
+    return kinds == {"full_attention", "sliding_attention"}
+
+
+def _window_reason(vllm_config) -> str | None:
+    """Why a model with sliding windows cannot take budgets, or None (none, or interleaved with
+    global layers and vLLM's hybrid KV-cache manager on)."""
+    if vllm_config.model_config.get_sliding_window() is None:
+        return None
+    if not interleaved(vllm_config):
+        return ("sliding-window models without global attention layers are not supported with "
+                "kv_budget (vLLM already frees the blocks behind each layer's window)")  # fmt: skip
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        return ("a sliding-window model with the hybrid KV-cache manager disabled is not "
+                "supported with kv_budget (its window and global layers share one group)")
+    return None
+
+
+def _hybrid_refusal(vllm_config, options) -> tuple[str, object] | None:
+    """(field, value) an interleaved sliding-window model cannot serve yet, or None.
+
+    Budgets evict in such a model's global layers at the prompt's end, at a compress point
+    (``kv_compress_at``: the rest of the prompt computed on the compressed cache, but no entry
+    left for another request) and at decode steps (``kv_decode``); its sliding-window layers
+    run as stock. What reads or leaves state across requests or steps in more than the global
+    group is not built for several KV-cache groups: sessions (an entry would need the sliding
+    groups' window blocks as well), admission by a bounded peak (``kv_prefill_evict``, compression
+    under pressure: the peak counts the global group's blocks only); per-head memory (adakv)
+    and error targets are not checked on several groups. A budgeted request on such a model
+    reads nothing from the prefix cache (``PrefixAdapter.enabled``)."""
+    if not interleaved(vllm_config):
+        return None
+    if options.max_error is not None:
+        return "kv_budget", options.requested_budget
+    if options.session:
+        return "kv_session", True
+    if options.prefill_evict:
+        return "kv_prefill_evict", True
+    if options.when == "pressure":
+        return "kv_when", options.when
+    if options.heads_own_memory:
+        return "kv_pipeline", options.pipeline
+    return None
+
+
+HYBRID_REFUSAL = ("is not supported on a model with sliding-window layers yet (budgets evict in "
+                  "its global layers at the prompt's end, at kv_compress_at and with kv_decode; "
+                  "sessions, bounded-peak admission, per-head memory and error targets are not "
+                  "built or checked for several KV-cache groups)")  # fmt: skip
 
 
 def _speculative_refusal(vllm_config, options) -> tuple[str, object] | None:
@@ -276,6 +343,7 @@ def choose_point(vllm_config, request: KvRequest, prompt_token_ids, seed):
         request.compress_at != AUTO
         or prompt_token_ids is None
         or not vllm_config.cache_config.enable_prefix_caching
+        or interleaved(vllm_config)  # no entries on several KV-cache groups: the whole prompt
     ):
         return None, False
     index = sightings(vllm_config.cache_config.block_size)
@@ -359,6 +427,11 @@ def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, a
     if speculative is not None:
         field, value = speculative
         raise KvOptionsError(field, f"{field} {SPECULATIVE_REFUSAL}", value)
+    hybrid = _hybrid_refusal(vllm_config, options)
+    if hybrid is not None:
+        field, value = hybrid
+        what = "an error target" if options.max_error is not None else field
+        raise KvOptionsError(field, f"{what} {HYBRID_REFUSAL}", value)
     if options.session and not vllm_config.cache_config.enable_prefix_caching:
         raise KvOptionsError(
             "kv_session",
@@ -386,6 +459,7 @@ def join_session(vllm_config, admitted: Admitted, engine_request) -> Admitted:
         or not request.joins_session()
         or not vllm_config.cache_config.enable_prefix_caching
         or vllm_config.speculative_config is not None  # a session is refused with drafts
+        or interleaved(vllm_config)  # so is a session on sliding-window layers
     ):
         return admitted
     from vllm.utils import length_from_prompt_token_ids_or_embeds

@@ -35,6 +35,7 @@ import os
 import torch
 
 from obcache_vllm.eviction.messages import EvictionReport
+from obcache_vllm.vllm_ext.groups import evicting_group
 from obcache_vllm.vllm_ext.wire import REPORT_ATTR
 from obcache_vllm.vllm_ext.worker.attention import EvictingBuilderMixin
 from obcache_vllm.vllm_ext.worker.lifecycle import BatchRows, WorkerEviction
@@ -52,6 +53,7 @@ class EvictingRunnerMixin:
                                       records=os.environ.get(RECORD_ENV) == "1")  # fmt: skip
         self._obcache_output = None  # scheduler output of the step being executed
         self._obcache_layer_index: dict[str, int] | None = None
+        self._obcache_group: int | None = None
         self._obcache_layer_names: list[str] | None = None  # by layer index (the oracle's reads)
         self._obcache_tp_handles = None  # see _obcache_tp
 
@@ -86,7 +88,8 @@ class EvictingRunnerMixin:
         plan = None
         output = self._obcache_output
         if output is not None and not kwargs.get("for_cudagraph_capture"):
-            tables = {req_id: (state.block_ids[0], state.num_computed_tokens)
+            group = self.obcache_group
+            tables = {req_id: (state.block_ids[group], state.num_computed_tokens)
                       for req_id, state in self.requests.items()}  # fmt: skip
             self.obcache.check_copies(output, tables, self._obcache_read_kv)
             plan = self.obcache.make_plan(output, self._obcache_batch(), self.obcache_layer_index,
@@ -113,19 +116,30 @@ class EvictingRunnerMixin:
         )
 
     def _obcache_builders(self) -> list[EvictingBuilderMixin]:
+        """The metadata builders of the evicting group's layers (a hybrid model's sliding-
+        window groups build stock metadata: no plan, their own block tables)."""
         return [
             builder
-            for groups in self.attn_groups
-            for group in groups
+            for group in self.attn_groups[self.obcache_group]
             for builder in group.metadata_builders
             if isinstance(builder, EvictingBuilderMixin)
         ]
 
     @property
+    def obcache_group(self) -> int:
+        """The KV-cache group budgets evict in (:mod:`obcache_vllm.vllm_ext.groups`; the
+        scheduler reads the same layout). A layout without one never gets a budgeted request
+        (``StockLayoutScheduler``): group 0 then only names what the oracle would read."""
+        if self._obcache_group is None:
+            self._obcache_group = evicting_group(self.kv_cache_config).index or 0
+        return self._obcache_group
+
+    @property
     def obcache_layer_index(self) -> dict[str, int]:
-        """Attention layer name -> its index, in the order of the (single) KV cache group."""
+        """Attention layer name -> its index, in the order of the evicting KV-cache group
+        (every layer of a single-group model; a hybrid model's global layers)."""
         if self._obcache_layer_index is None:
-            names = self.kv_cache_config.kv_cache_groups[0].layer_names
+            names = self.kv_cache_config.kv_cache_groups[self.obcache_group].layer_names
             self._obcache_layer_index = {name: i for i, name in enumerate(names)}
         return self._obcache_layer_index
 
