@@ -48,6 +48,7 @@ Glossary: L prompt tokens, W window queries, K kept per head, Hq/Hkv heads, D he
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ __all__ = [
     "Prefill",
     "Result",
     "compress_and_generate",
+    "evicting_layers",
     "generate",
     "load_model",
     "make_scoring",
@@ -106,11 +108,16 @@ class Prefill:
     queries: tuple[Tensor, ...]
     logits: Tensor
     geometry: HeadGeometry
+    # The layers a budget evicts in (:func:`evicting_layers`): every layer, or a hybrid
+    # model's global ones. Its sliding-window layers hold their window only (``keys`` as HF's
+    # cache leaves them) and continue from ``cache``, the prefill's own HF cache.
+    layers: tuple[int, ...] = ()
+    cache: object = None
 
     @property
     def length(self) -> int:
         """L: prompt tokens."""
-        return self.keys[0].shape[0]
+        return self.keys[self.layers[0] if self.layers else 0].shape[0]
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,19 @@ class Result:
 def _attention_modules(model) -> list:
     layers = model.model.layers
     return [layer.self_attn for layer in layers]
+
+
+def evicting_layers(model) -> tuple[int, ...]:
+    """The layers a budget evicts in, as vLLM's group of global layers holds them
+    (:mod:`obcache_vllm.vllm_ext.groups`): every layer, or for a model that interleaves
+    sliding-window and global layers (``layer_types``: Gemma 2 and 3) the global ones, in
+    layer order (the worker's layer index ``i`` is ``evicting_layers(model)[i]``)."""
+    cfg = model.config.get_text_config()
+    count = len(_attention_modules(model))
+    kinds = getattr(cfg, "layer_types", None)
+    if getattr(cfg, "sliding_window", None) is None or not kinds:
+        return tuple(range(count))
+    return tuple(i for i in range(count) if kinds[i] == "full_attention")
 
 
 def _geometry(model) -> HeadGeometry:
@@ -235,12 +255,15 @@ def prefill(model, input_ids: Tensor, query_window: int = -1,
         values.append(layer.values[0].transpose(0, 1).contiguous())  # [L, Hkv, D]
     empty = torch.empty(0, geom.num_q_heads, geom.head_dim, dtype=keys[0].dtype)
     queries = tuple(captured.get(i, empty) for i in range(len(modules)))
+    layers = evicting_layers(model)
     return Prefill(
         keys=tuple(keys),
         values=tuple(values),
         queries=queries,
         logits=out.logits[0, -1].float(),  # [V]
         geometry=geom,
+        layers=layers,
+        cache=cache if len(layers) < len(modules) else None,
     )
 
 
@@ -260,7 +283,8 @@ def select_kept(
     scorer, pipeline = make_scoring(options)
     need = options.query_window
     kept = {}
-    for layer, (q, k, v) in enumerate(zip(state.queries, state.keys, state.values, strict=True)):
+    for layer in state.layers or range(len(state.keys)):
+        q, k, v = state.queries[layer], state.keys[layer], state.values[layer]
         if need != 0:
             have = q.shape[0]
             if (need < 0 and have < state.length) or have < min(need, state.length):
@@ -300,12 +324,19 @@ def generate(
     data = []
     for layer, (k, v) in enumerate(zip(state.keys, state.values, strict=True)):
         k_heads, v_heads = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
-        if kept:
+        if kept and layer in kept:
             index = kept[layer].unsqueeze(-1).expand(-1, -1, k.shape[-1])  # [Hkv, K, D]
             k_heads = torch.gather(k_heads, 1, index)  # [Hkv, K, D]
             v_heads = torch.gather(v_heads, 1, index)  # [Hkv, K, D]
         data.append((k_heads.unsqueeze(0).contiguous(), v_heads.unsqueeze(0).contiguous()))
-    cache = new_cache(model, data, kv_cache_dtype)
+    if state.cache is not None:
+        # A hybrid model: its sliding-window layers go on from their own window (HF's cache
+        # layer knows the positions it holds), the global layers from their kept entries.
+        cache = copy.deepcopy(state.cache)
+        for layer in state.layers:
+            cache.layers[layer].keys, cache.layers[layer].values = data[layer]
+    else:
+        cache = new_cache(model, data, kv_cache_dtype)
 
     logits = state.logits
     position = state.length
@@ -454,7 +485,13 @@ def run_evicting(
     geom = _geometry(model)
     modules = _attention_modules(model)
     window = pipeline.window  # None: every prompt query (h2o)
-    layers: list[_Layer] = []
+    layers: list[_Layer] = []  # the layers a budget evicts in, in order (evicting_layers)
+    evict = evicting_layers(model)
+    # A hybrid model's own cache across steps: its sliding-window layers keep their window
+    # there; its global layers are written from ``layers`` before every forward pass.
+    native = new_cache(model, None, kv_cache_dtype) if len(evict) < len(modules) else None
+    if native is not None and start is not None:
+        raise ValueError("sessions are not served on hybrid sliding-window models")
     captured: dict[int, Tensor] = {}
     dead, past_point = 0, False
     begin = 0
@@ -470,14 +507,20 @@ def run_evicting(
     def forward(tokens: Tensor, start: int) -> Tensor:
         """Run tokens [n] at positions start.. on the resident cache; returns last logits."""
         data = [(lay.keys.unsqueeze(0), lay.values.unsqueeze(0)) for lay in layers]
-        cache = new_cache(model, data, kv_cache_dtype)
+        if native is not None:
+            for (k, v), layer in zip(data, evict[: len(data)], strict=True):  # [1, Hkv, T, D]
+                native.layers[layer].keys, native.layers[layer].values = k, v
+            cache = native
+        else:
+            cache = new_cache(model, data, kv_cache_dtype)
         positions = torch.arange(start, start + tokens.numel()).unsqueeze(0)
         with _capturing_queries() as queries:
             out = model(input_ids=tokens.reshape(1, -1), position_ids=positions,
                         past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
-        captured.update(queries)
+        captured.update({i: queries[layer] for i, layer in enumerate(evict)})
         new_pos = torch.arange(start, start + tokens.numel())
-        for i, layer in enumerate(out.past_key_values.layers[: len(modules)]):
+        for i, layer_index in enumerate(evict):
+            layer = out.past_key_values.layers[layer_index]
             k, v = layer.keys[0], layer.values[0]  # [Hkv, T + n, D]
             if i < len(layers):
                 lay = layers[i]
@@ -549,7 +592,7 @@ def run_evicting(
                 lay.running.gather(keep)
             if logical_len >= point:
                 lay.queries = None
-            new_kept[i] = lay.positions.clone()
+            new_kept[evict[i]] = lay.positions.clone()  # by model layer, as compress_and_generate
         if order is not None:
             dead = order.dead_after
             orders.append((logical_len, prefill))

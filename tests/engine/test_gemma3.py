@@ -1,9 +1,11 @@
 """Gemma 3 270M with its real weights (``obcache-vllm model pull --model gemma-3-270m``): a
-hybrid sliding-window model (every sixth layer global, the others a 512-token window) starts
-with the plugin installed, serves requests without a budget as stock vLLM does, and refuses a
-budget naming the reason (vLLM gives it several KV-cache groups; budgets in its global layers
-are not built yet). Two fresh engines in subprocesses (``pool_runner.py``), one after the
-other.
+hybrid sliding-window model (every sixth layer global, the others a 512-token window), so vLLM
+gives it one KV-cache group of global layers and five of sliding-window layers. Requests
+without a budget are served as stock vLLM serves them; a budget evicts in the global layers
+only (``obcache_vllm/vllm_ext/groups.py``), frees blocks of that group, and agrees with the HF
+reference (its sliding-window layers keep their own window, its global layers the kept
+entries); what is not built for several groups is refused naming the field. Two fresh engines
+in subprocesses (``pool_runner.py``), one after the other.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from support.engine import run_pool
+import torch
+from support.engine import kept_overlap, run_pool
 
 from obcache_vllm import extra_models
 from obcache_vllm.textgen import haystack
@@ -20,54 +23,135 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
 # Memory: an engine of this model takes about 3.7 GB (fp32 weights, a 262K-token vocabulary);
 # the two engines of a test run one after the other, beside the suite's other lane.
-ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=2048, block_size=32, seed=0,
+BS = 32
+ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=2048, block_size=BS, seed=0,
               num_gpu_blocks_override=480, max_num_batched_tokens=256,
               max_num_seqs=4)  # fmt: skip
+BUDGET = {"kv_budget": 0.25, "kv_pipeline": "snapkv", "kv_scorer": "obcache_key",
+          "kv_window": 32}  # fmt: skip
+DECODE = {**BUDGET, "kv_budget": 512, "kv_decode": True}
+POINT = {**BUDGET, "kv_compress_at": 1200}  # the rest of the prompt on the compressed cache
+REFUSED = {  # field -> the options that ask for it (each needs state in more than one group)
+    "kv_session": {"kv_session": True},
+    "kv_prefill_evict": {"kv_prefill_evict": True},
+    "kv_pipeline": {"kv_pipeline": "adakv"},
+}
+ENV = {"OBCACHE_VLLM_RECORD_KEEP": "1", "OBCACHE_VLLM_VERIFY": "1"}
+GLOBAL_LAYERS = (5, 11, 17)
 
 
 def _run(spec: dict, stock: bool, core: int) -> dict:
-    return run_pool(spec, stock, core, timeout=1100)
+    return run_pool(spec, stock, core, ENV, timeout=1100)
 
 
 @pytest.fixture(scope="module")
-def runs():
+def model_dir():
+    return extra_models.pull(extra_models.GEMMA3_270M)
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir):
     from transformers import AutoTokenizer
 
-    model_dir = extra_models.pull(extra_models.GEMMA3_270M)
     tok = AutoTokenizer.from_pretrained(model_dir)
     # Longer than the 512-token window: the sliding layers drop blocks, the global ones not.
     ids = [tok(haystack(60, seed=s)).input_ids[:1500] for s in (1, 2)]
     plain = [{"id": f"plain-{i}", "prompt_token_ids": p, "max_tokens": 24}
              for i, p in enumerate(ids)]  # fmt: skip
-    budgeted = [{"id": "budget", "prompt_token_ids": ids[0], "max_tokens": 8,
-                 "extra_args": {"kv_budget": 0.25}}]  # fmt: skip
+    budgeted = [
+        {"id": "budget", "prompt_token_ids": ids[0], "max_tokens": 16, "extra_args": BUDGET},
+        {"id": "point", "prompt_token_ids": ids[0], "max_tokens": 16, "extra_args": POINT},
+        {"id": "decode", "prompt_token_ids": ids[1][:600], "max_tokens": 96,
+         "extra_args": DECODE},
+    ]  # fmt: skip
+    refused = [{"id": f"refused-{field}", "prompt_token_ids": ids[1], "max_tokens": 4,
+                "extra_args": {**BUDGET, **extra}} for field, extra in REFUSED.items()]
     spec = {"engine": {"model": str(model_dir), **ENGINE}}
     core = sorted(os.sched_getaffinity(0))[0]
-    ours = _run({**spec, "requests": plain + budgeted}, False, core)
+    ours = _run({**spec, "requests": plain + budgeted + refused}, False, core)
     stock = _run({**spec, "requests": plain}, True, core)
-    return plain, ours, stock
+    return ids, plain, ours, stock
 
 
 def test_gemma3_serves_stock_requests_as_stock_vllm(runs):
-    plain, ours, stock = runs
+    _, plain, ours, stock = runs
     for r in plain:
         got = ours["results"][r["id"]]["token_ids"]
         assert len(got) == 24 and got == stock["results"][r["id"]]["token_ids"], r["id"]
     assert ours["free_at_end"] == ours["pool_blocks"]
+    assert not ours["mismatches"], ours["mismatches"]
 
 
-def test_gemma3_refuses_a_budget_naming_why(runs):
-    _, ours, _ = runs
-    refused = ours["results"]["budget"]
-    assert refused.get("param") == "kv_budget", refused
-    assert "sliding-window" in refused["error"] or "hybrid" in refused["error"], refused
+@pytest.mark.parametrize("rid, fields", [("budget", BUDGET), ("point", POINT)])
+def test_gemma3_budget_evicts_in_the_global_layers_as_the_hf_reference(runs, model_dir, rid,
+                                                                      fields):  # fmt: skip
+    """A quarter of a 1,500-token prompt kept in the three global layers (at its end, or of
+    its first 1,200 tokens with the rest computed on the compressed cache): the global
+    group's blocks freed, the kept positions of each global layer and the greedy tokens equal
+    the HF reference's, in which the sliding-window layers attend over their own window as
+    stock."""
+    from obcache_vllm.evidence import hf_reference as ref
+    from obcache_vllm.options import parse_kv_options
+
+    ids, _, ours, stock = runs
+    got = ours["results"][rid]
+    outcome = got["obcache"]
+    assert outcome["freed_blocks"] >= 25, outcome  # 47 blocks of prompt, a quarter kept
+    assert set(got["kept"]) == {str(i) for i in GLOBAL_LAYERS}, sorted(got["kept"])
+    model, _ = ref.load_model(model_dir)
+    assert ref.evicting_layers(model) == GLOBAL_LAYERS
+    options = parse_kv_options(fields, len(ids[0]))
+    want = ref.compress_and_generate(model, torch.tensor(ids[0]), options, BS, 16)
+    assert sorted(want.kept) == list(GLOBAL_LAYERS)
+    for layer in GLOBAL_LAYERS:
+        overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
+        assert overlap >= 0.99, (layer, overlap)
+    assert got["token_ids"] == want.token_ids
+    assert len(set(want.token_ids)) > 4, want.token_ids  # a real continuation, not one token
+    tail = len(ids[0]) - options.compress_point(len(ids[0]))  # kept whole after the point
+    assert outcome["prompt_tokens_kept"] == want.num_kept + tail
+
+
+def test_gemma3_kv_decode_evicts_in_the_global_layers_as_the_hf_reference(runs, model_dir):
+    """kv_decode on the global layers: evictions at decode steps, the global group's blocks
+    bounded by the budget plus a block; the evictions (length, prefill), the last one's kept
+    positions per global layer and the greedy tokens equal the step-by-step HF reference's
+    (:func:`~obcache_vllm.evidence.hf_reference.run_evicting`, whose sliding-window layers go
+    on in HF's own cache)."""
+    from obcache_vllm.evidence import hf_reference as ref
+    from obcache_vllm.options import parse_kv_options
+
+    ids, _, ours, _ = runs
+    got = ours["results"]["decode"]
+    orders = [tuple(o) for o in got["orders"]]
+    assert any(not prefill for _, prefill in orders), orders  # decode-time evictions
+    assert got["peak_blocks"] <= 600 // BS + 2, got["peak_blocks"]
+    assert got["obcache"]["freed_blocks"] > 0
+    model, _ = ref.load_model(model_dir)
+    prompt = ids[1][:600]
+    options = parse_kv_options(DECODE, len(prompt))
+    want = ref.run_evicting(model, torch.tensor(prompt), options, BS, 96)
+    assert orders == [tuple(o) for o in want.orders]
+    for layer in GLOBAL_LAYERS:
+        overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
+        assert overlap >= 0.99, (layer, overlap)
+    assert got["token_ids"] == want.token_ids
+
+
+def test_gemma3_refuses_what_is_not_built_for_several_groups_naming_the_field(runs):
+    _, _, ours, _ = runs
+    for field in REFUSED:
+        refused = ours["results"][f"refused-{field}"]
+        assert refused.get("param") == field, refused
+        assert "sliding-window layers" in refused["error"], refused
 
 
 def test_a_pool_too_small_for_max_model_len_is_refused_at_start_as_stock_does():
     """The plugin relaxes vLLM's start-up check for single-group models (kv_prefill_evict can
-    serve prompts longer than the pool); a hybrid model has no budgets, so its check stays
-    stock's. Relaxed, this engine started and a 1,500-token prompt waited forever (an engine
-    stall): vLLM's hybrid pool of 160 blocks holds about 800 tokens, max_model_len 2048."""
+    serve prompts longer than the pool); a hybrid model's budgets never hold less than the
+    prompt at its peak (kv_prefill_evict is refused there), so its check stays stock's.
+    Relaxed, this engine started and a 1,500-token prompt waited forever (an engine stall):
+    vLLM's hybrid pool of 160 blocks holds about 800 tokens, max_model_len 2048."""
     model_dir = extra_models.pull(extra_models.GEMMA3_270M)
     spec = {"engine": {"model": str(model_dir), **ENGINE, "num_gpu_blocks_override": 160},
             "requests": []}  # fmt: skip

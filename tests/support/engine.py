@@ -72,7 +72,7 @@ class Internals:
 
     def live_blocks(self, req_id: str) -> int:
         """Blocks the request holds in the pool (null blocks excluded)."""
-        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        manager = self.scheduler.obcache_pool.group  # the group budgets evict in
         return sum(1 for b in manager.req_to_blocks.get(req_id, []) if not b.is_null)
 
 

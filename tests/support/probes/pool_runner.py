@@ -46,11 +46,16 @@ def main() -> None:
         return
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    # The group budgets evict in (a hybrid model's global layers), for stock and plugin alike.
+    from obcache_vllm.vllm_ext.groups import evicting_group
+
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    manager = managers[evicting_group(scheduler.kv_cache_config).index or 0]
     pool = scheduler.kv_cache_manager.block_pool
     out["pool_blocks"] = pool.get_num_free_blocks()
     results, engine_ids = {}, {}
     peak: dict[str, int] = {}
+    peak_all: dict[str, int] = {}
 
     def add(r: dict) -> None:
         params = SamplingParams(
@@ -85,8 +90,13 @@ def main() -> None:
         for engine_id, rid in engine_ids.items():
             held = sum(1 for b in manager.req_to_blocks.get(engine_id, ()) if not b.is_null)
             peak[rid] = max(peak[rid], held)
+            # Every group's blocks (a hybrid model's sliding-window groups too).
+            every = sum(1 for m in managers for b in m.req_to_blocks.get(engine_id, ())
+                        if not b.is_null)  # fmt: skip
+            peak_all[rid] = max(peak_all.get(rid, 0), every)
     for rid, blocks in peak.items():
         results[rid]["peak_blocks"] = blocks
+        results[rid]["peak_blocks_all_groups"] = peak_all.get(rid, 0)
     prefix = getattr(scheduler, "obcache_prefix", None)  # absent under stock vLLM
     entry_blocks = prefix.held_blocks if prefix is not None else 0  # compressed entries
     out.update(results=results, steps=steps, free_at_end=pool.get_num_free_blocks() + entry_blocks)
