@@ -104,6 +104,16 @@ WORKLOADS: dict[str, Workload] = {
     "adakv-same-kept": Workload(24, 1024, 64, {**ADAKV, "kv_budget": 0.3}, 100, 830,
                                 compare_kv=ADAKV_SNAP,
                                 note="adakv and snapkv both at 30 %: what the per-head reads cost"),
+    # Gemma 3 270M (--model "$(obcache-vllm model path --model gemma-3-270m)"): a hybrid model,
+    # budgets evict in its 3 global layers of 18; at 8K tokens those hold 260 blocks of a
+    # request's ~350 (five sliding-window groups hold ~18 each). A pool where stock runs
+    # about two such requests at once.
+    "gemma3-8k": Workload(8, 8192, 128, {"kv_budget": 0.25, **TOVA_KEY}, None, 900,
+                          same_pool=True, note="Gemma 3 270M, long prompts, the global layers "
+                          "compressed (run with --model of gemma-3-270m)"),
+    "gemma3-8k-large": Workload(8, 8192, 128, {"kv_budget": 0.25, **TOVA_KEY}, None, 1400,
+                                same_pool=True, note="the same with a larger pool: stock holds "
+                                "a prefill beside a decode"),
     "equal-32": Workload(32, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},
                          None, 520, same_pool=True, note="overhead at an equal batch of 32"),
     "equal-64": Workload(64, 256, 256, {"kv_budget": 64, "kv_decode": True, **TOVA_KEY},

@@ -215,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     choices = [model.MODEL_NAME, "gemma-3-270m"]  # obcache_vllm/extra_models.py (lazy import)
     pull_p.add_argument("--model", choices=choices, default=model.MODEL_NAME,
                         help="which model (gemma-3-270m: Gemma 3 270M, a hybrid sliding-window "
-                        "model; budgets are refused on it)")
+                        "model; budgets evict in its global layers)")
     path_p = model_sub.add_parser("path", help="print a model's path without converting")
     path_p.add_argument("--model", choices=choices, default=model.MODEL_NAME)
     model_sub.add_parser("verify", help="re-hash the cached model against its manifest")

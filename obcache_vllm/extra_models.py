@@ -10,8 +10,9 @@ and dequantizes it with transformers' GGUF loader into a float32 HF directory::
     $OBCACHE_VLLM_HOME/models/gemma-3-270m/   config.json model.safetensors tokenizer.json ...
                                               obcache_manifest.json (written last)
 
-The base model has no chat template: serve completions. Budgets are refused on it (a hybrid
-model: several KV-cache groups, see the Supported models page); requests without a budget are
+The base model has no chat template: serve completions. Budgets evict in its three global
+layers (a hybrid model: one KV-cache group of global layers, five of sliding-window layers;
+:mod:`obcache_vllm.vllm_ext.groups`, the Supported models page); requests without a budget are
 served as stock vLLM serves them.
 
     obcache-vllm model pull --model gemma-3-270m      # prints the directory
