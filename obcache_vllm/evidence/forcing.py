@@ -170,7 +170,11 @@ def run_forced(llm, requests: Sequence[ForcedRequest], progress=None) -> ForcedR
     """
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler  # AttributeError: multiprocess core
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    # The group budgets evict in (a hybrid model's global layers), for stock runs as well.
+    from obcache_vllm.vllm_ext.groups import evicting_group
+
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    manager = managers[evicting_group(scheduler.kv_cache_config).index or 0]
     resident = getattr(scheduler, "obcache_resident_tokens", lambda rid: None)
     internal: dict[str, str] = {}
     names: dict[str, str] = {}

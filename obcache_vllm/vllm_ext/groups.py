@@ -10,18 +10,25 @@ long prompt's KV), while a sliding-window layer holds its last window and vLLM a
 what falls out of it (``SlidingWindowManager``: null blocks before the window). A request's
 sliding-window layers therefore run exactly as stock vLLM runs them.
 
-Served layouts (:func:`evicting_group`): one group of global attention layers, and any number of
-sliding-window groups with its block size. Anything else has no group to evict in: two groups
-of global layers (the worker keeps one block table per request), Mamba or chunked-local groups,
-MLA, or one group whose spec carries a window (vLLM's unified layout, hybrid manager disabled).
-The scheduler and the worker both read the layout from here, so they agree on the group.
+Served layouts (:func:`evicting_group`): a single group (whatever admission lets through: it
+refuses MLA, windows and the rest by the engine configuration, as before hybrid models were
+served), or several groups of which exactly one holds global attention layers and the others
+sliding-window layers with its block size. A hybrid layout other than that has no group to
+evict in: two groups of global layers (vLLM splits the layers so that every group has the same
+count; the worker keeps one block table per request), Mamba, chunked-local or attention-sink
+groups, MLA. The scheduler and the worker both read the layout from here, so they agree on
+the group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class EvictingGroup:
 def evicting_group(kv_cache_config) -> EvictingGroup:
     """The group of global attention layers of ``kv_cache_config`` (see the module docstring)."""
     groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) == 1:
+        return EvictingGroup(0, 1)
     full = [i for i, g in enumerate(groups) if _is_global(g.kv_cache_spec)]
     sliding = [i for i, g in enumerate(groups) if type(g.kv_cache_spec) is SlidingWindowSpec]
     n = len(groups)
@@ -60,7 +69,10 @@ def evicting_group(kv_cache_config) -> EvictingGroup:
 
 
 def _is_global(spec) -> bool:
-    """A group of plain global attention (not MLA, sinks or a unified layout with a window)."""
+    """A group of plain global attention (not MLA, sinks or a unified layout with a window);
+    layers of different head sizes in one group each keep their own spec."""
+    if type(spec) is UniformTypeKVCacheSpecs:
+        return all(_is_global(one) for one in spec.kv_cache_specs.values())
     return (
         type(spec) is FullAttentionSpec
         and spec.sliding_window is None

@@ -15,6 +15,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 from obcache_vllm.options import parse_kv_options
@@ -52,20 +53,40 @@ def test_a_hybrid_model_evicts_in_its_global_group_wherever_vllm_put_it():
     ((_full(), _full(), _window()), "2 groups of global attention layers"),
     ((_window(), _window()), "no group of global attention layers"),
     ((_full(), _window(bs=16)), "different block sizes"),
-    ((MLAAttentionSpec(block_size=32, **HEAD),), "no group of global attention layers"),
-    ((_full(sliding_window=512),), "no group of global attention layers"),  # unified layout
+    ((MLAAttentionSpec(block_size=32, **HEAD), _window()), "no group of global attention"),
+    ((_full(sliding_window=512), _window()), "no group of global attention layers"),
 ])  # fmt: skip
-def test_layouts_without_one_global_group_have_none(specs, why):
+def test_hybrid_layouts_without_one_global_group_have_none(specs, why):
     group = evicting_group(_config(*specs))
     assert group.index is None and why in group.reason, group
 
 
-def _vllm_config(layer_types, window=512, disabled=False):
+@pytest.mark.parametrize("spec", [
+    MLAAttentionSpec(block_size=32, **HEAD),  # admission refuses MLA
+    _full(sliding_window=512),  # the unified layout: admission refuses its windows
+    UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs={  # global layers, two head sizes
+        "a": _full(), "b": FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                             dtype=torch.float32)}),
+])  # fmt: skip
+def test_a_single_group_is_always_the_one_budgets_evict_in(spec):
+    """What a single-group model cannot serve is admission's to refuse, by the engine
+    configuration (MLA, windows), as before hybrid models were served."""
+    group = evicting_group(_config(spec))
+    assert (group.index, group.hybrid) == (0, False)
+
+
+def test_global_layers_of_two_head_sizes_are_one_global_group_beside_windows():
+    uniform = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs={"a": _full(), "b": _full()})
+    assert evicting_group(_config(_window(), uniform)).index == 1
+
+
+def _vllm_config(layer_types, window=512, disabled=False, device="cpu"):
     text = SimpleNamespace(layer_types=layer_types)
     model = SimpleNamespace(get_sliding_window=lambda: window, hf_text_config=text)
     return SimpleNamespace(model_config=model,
                            scheduler_config=SimpleNamespace(
-                               disable_hybrid_kv_cache_manager=disabled))  # fmt: skip
+                               disable_hybrid_kv_cache_manager=disabled),
+                           device_config=SimpleNamespace(device_type=device))  # fmt: skip
 
 
 GEMMA3 = ["sliding_attention"] * 5 + ["full_attention"]
@@ -76,7 +97,9 @@ def test_admission_tells_interleaved_models_from_windowed_ones():
     assert admission._window_reason(_vllm_config(GEMMA3)) is None
     every = _vllm_config(["sliding_attention"] * 4)  # a window in every layer (Mistral 7B v0.1)
     assert not admission.interleaved(every)
-    assert "without global attention layers" in admission._window_reason(every)
+    assert "other than those interleaving" in admission._window_reason(every)
+    cuda = _vllm_config(GEMMA3, device="cuda")  # FLASH_ATTN shares seq_lens between groups
+    assert "CPU attention backend only" in admission._window_reason(cuda)
     unified = _vllm_config(GEMMA3, disabled=True)
     assert "hybrid KV-cache manager disabled" in admission._window_reason(unified)
     assert admission._window_reason(_vllm_config(None, window=None)) is None

@@ -55,7 +55,7 @@ sliding-window models without     vLLM already frees the blocks behind every lay
 global layers, or with the
 hybrid KV-cache manager off
 interleaved sliding-window        budgets evict in the global layers (prompt end, compress
-models (Gemma 2/3, GPT-OSS):      point, kv_decode); sessions, bounded-peak admission,
+models (Gemma 2 and 3):           point, kv_decode; CPU only); sessions, bounded-peak admission,
 sessions, kv_prefill_evict,       per-head memory and error targets are not built for several
 pressure, adakv, error targets    KV-cache groups (a request that reaches the engine on a
                                   layout with no group to evict in is finished with an error)
@@ -200,8 +200,10 @@ def unsupported_reason(vllm_config) -> str | None:
 
 def interleaved(vllm_config) -> bool:
     """Whether the model interleaves sliding-window and global attention layers (Gemma 2 and
-    3, GPT-OSS): vLLM gives it one KV-cache group of global layers, where budgets evict, and
-    groups of sliding-window layers left as stock (:mod:`obcache_vllm.vllm_ext.groups`)."""
+    3): vLLM gives it one KV-cache group of global layers, where budgets evict, and groups of
+    sliding-window layers left as stock (:mod:`obcache_vllm.vllm_ext.groups`). A layout the
+    engine finds no such group in (the global layers split over several groups, attention
+    sinks) finishes a budgeted request with an error there (``StockLayoutScheduler``)."""
     model_config = vllm_config.model_config
     if model_config.get_sliding_window() is None:
         return False
@@ -211,15 +213,21 @@ def interleaved(vllm_config) -> bool:
 
 def _window_reason(vllm_config) -> str | None:
     """Why a model with sliding windows cannot take budgets, or None (none, or interleaved with
-    global layers and vLLM's hybrid KV-cache manager on)."""
+    global layers, vLLM's hybrid KV-cache manager on, on the CPU backend)."""
     if vllm_config.model_config.get_sliding_window() is None:
         return None
     if not interleaved(vllm_config):
-        return ("sliding-window models without global attention layers are not supported with "
-                "kv_budget (vLLM already frees the blocks behind each layer's window)")  # fmt: skip
+        return ("sliding-window models other than those interleaving sliding-window and global "
+                "layers (layer_types) are not supported with kv_budget (vLLM already frees the "
+                "blocks behind each layer's window)")  # fmt: skip
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         return ("a sliding-window model with the hybrid KV-cache manager disabled is not "
                 "supported with kv_budget (its window and global layers share one group)")
+    if vllm_config.device_config.device_type != "cpu":
+        # FLASH_ATTN shifts the batch's sequence lengths in place, and vLLM shares that tensor
+        # between the groups: the sliding-window layers would read short rows.
+        return ("sliding-window models are supported with kv_budget on vLLM's CPU attention "
+                "backend only (not FlashAttention yet)")
     return None
 
 
