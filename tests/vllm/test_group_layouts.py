@@ -78,7 +78,8 @@ def test_no_group_to_evict_in_finishes_a_budgeted_request_with_an_error_and_serv
     scheduler = _scheduler(_full(), _full(), _window())  # two groups of global layers
     assert type(scheduler) is StockLayoutScheduler
     assert "2 groups of global attention layers" in scheduler.obcache_reason
-    scheduler.add_request(_request(scheduler, "budgeted", {"kv_budget": 24, "kv_sinks": 0, "kv_recent": 0}))
+    budget = {"kv_budget": 24, "kv_sinks": 0, "kv_recent": 0}
+    scheduler.add_request(_request(scheduler, "budgeted", budget))
     scheduler.add_request(_request(scheduler, "plain", None))
     out: SchedulerOutput = scheduler.schedule()
     assert set(out.num_scheduled_tokens) == {"plain"}  # the budgeted one never runs
