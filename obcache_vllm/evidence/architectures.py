@@ -71,6 +71,20 @@ FAMILIES: tuple[Family, ...] = (
 )  # fmt: skip
 BY_NAME = {f.name: f for f in FAMILIES}
 
+# Layouts whose budgets are refused, written the same way to show the refusal is still needed
+# (``tests/engine/test_refusals_needed.py``: the refusal lifted, the budget goes wrong).
+REFUSED_FAMILIES: tuple[Family, ...] = (
+    Family("mistral-window", "MistralConfig", "MistralForCausalLM",
+           "a sliding window in every layer", {"sliding_window": 128}),
+    Family("deepseek-mla", "DeepseekV2Config", "DeepseekV2ForCausalLM",
+           "multi-head latent attention (MLA: one latent KV of 512 + 64 dims)",
+           {"kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 64, "v_head_dim": 64, "first_k_dense_replace": 2,
+            "n_routed_experts": 2, "num_experts_per_tok": 1, "n_shared_experts": 1,
+            "moe_intermediate_size": 64, "pad_token_id": 0}),
+)  # fmt: skip
+BY_NAME.update({f.name: f for f in REFUSED_FAMILIES})
+
 
 def write_model(family: Family, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """The family's tiny model with random weights (``seed``) and the tokenizer of

@@ -78,3 +78,20 @@ def _is_global(spec) -> bool:
         and spec.sliding_window is None
         and spec.attention_chunk_size is None
     )
+
+
+def window_blocks(kv_cache_config, group: EvictingGroup, vllm_config) -> int:
+    """The most blocks one request holds at once in the sliding-window groups besides the
+    group budgets evict in (0 for a single group): vLLM's own per-request admission cap of each
+    (``SlidingWindowSpec.max_admission_blocks_per_request``: the window plus the tokens in
+    flight, one block more for a window that starts inside a block)."""
+    if not group.hybrid:
+        return 0
+    return sum(
+        g.kv_cache_spec.max_admission_blocks_per_request(
+            max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+            max_model_len=vllm_config.model_config.max_model_len,
+        )
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        if i != group.index
+    )

@@ -292,6 +292,11 @@ REGISTRY: tuple[Seam, ...] = (
       why="the group of global layers, where budgets evict (exact type: not MLA or sinks)"),
     S("vllm.v1.kv_cache_interface", "SlidingWindowSpec", how="state", process="every",
       attrs=("block_size", "sliding_window"), why="sliding-window groups, left to vLLM"),
+    S("vllm.v1.kv_cache_interface", "SlidingWindowSpec.max_admission_blocks_per_request",
+      ("self", "max_in_flight_tokens", "max_model_len"),
+      why="what a sliding-window group holds at most, added to a bounded peak"),
+    S("vllm.config.vllm", "VllmConfig", how="state", attrs=("max_in_flight_tokens",),
+      why="the tokens in flight a sliding window holds beside its window"),
     # -- EngineCore: start-up (engine/pool_check.py) -------------------------------------------
     S("vllm.v1.engine.core", "get_kv_cache_configs",
       ("vllm_config", "kv_cache_specs", "available_memory"), how="wrap",

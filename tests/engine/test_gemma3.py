@@ -4,7 +4,8 @@ gives it one KV-cache group of global layers and five of sliding-window layers. 
 without a budget are served as stock vLLM serves them; a budget evicts in the global layers
 only (``obcache_vllm/vllm_ext/groups.py``), frees blocks of that group, and agrees with the HF
 reference (its sliding-window layers keep their own window, its global layers the kept
-entries); what is not built for several groups is refused naming the field. Two fresh engines
+entries), at the prompt's end, at a compress point, after every prefill chunk and at decode
+steps; what is not built for several groups is refused naming the field. Two fresh engines
 in subprocesses (``pool_runner.py``), one after the other.
 """
 
@@ -31,9 +32,10 @@ BUDGET = {"kv_budget": 0.25, "kv_pipeline": "snapkv", "kv_scorer": "obcache_key"
           "kv_window": 32}  # fmt: skip
 DECODE = {**BUDGET, "kv_budget": 512, "kv_decode": True}
 POINT = {**BUDGET, "kv_compress_at": 1200}  # the rest of the prompt on the compressed cache
+CHUNKS = {**BUDGET, "kv_prefill_evict": True}  # evicted after every 256-token prefill chunk
 REFUSED = {  # field -> the options that ask for it (each needs state in more than one group)
     "kv_session": {"kv_session": True},
-    "kv_prefill_evict": {"kv_prefill_evict": True},
+    "kv_when": {"kv_when": "pressure"},
     "kv_pipeline": {"kv_pipeline": "adakv"},
 }
 ENV = {"OBCACHE_VLLM_RECORD_KEEP": "1", "OBCACHE_VLLM_VERIFY": "1"}
@@ -61,6 +63,7 @@ def runs(model_dir):
     budgeted = [
         {"id": "budget", "prompt_token_ids": ids[0], "max_tokens": 16, "extra_args": BUDGET},
         {"id": "point", "prompt_token_ids": ids[0], "max_tokens": 16, "extra_args": POINT},
+        {"id": "chunks", "prompt_token_ids": ids[1], "max_tokens": 16, "extra_args": CHUNKS},
         {"id": "decode", "prompt_token_ids": ids[1][:600], "max_tokens": 96,
          "extra_args": DECODE},
     ]  # fmt: skip
@@ -138,6 +141,31 @@ def test_gemma3_kv_decode_evicts_in_the_global_layers_as_the_hf_reference(runs, 
     assert got["token_ids"] == want.token_ids
 
 
+def test_gemma3_prefill_evict_evicts_after_every_chunk_as_the_hf_reference(runs, model_dir):
+    """kv_prefill_evict on the global layers, admitted by its bounded peak plus what the
+    sliding-window groups hold: an eviction after every prefill chunk, the global group never
+    holding much more than the budget and a chunk, and the evictions, the last one's kept
+    positions per global layer and the tokens equal the step-by-step HF reference's at the
+    same chunk ends."""
+    from obcache_vllm.evidence import hf_reference as ref
+    from obcache_vllm.options import parse_kv_options
+
+    ids, _, ours, _ = runs
+    got = ours["results"]["chunks"]
+    orders = [tuple(o) for o in got["orders"]]
+    assert len(orders) >= 4 and all(prefill for _, prefill in orders), orders
+    options = parse_kv_options(CHUNKS, len(ids[1]))
+    assert got["peak_blocks"] <= -(-(options.budget + 256) // BS) + 2, got["peak_blocks"]
+    model, _ = ref.load_model(model_dir)
+    ends = [n for n, _ in orders if n < len(ids[1])]
+    want = ref.run_evicting(model, torch.tensor(ids[1]), options, BS, 16, prefill_ends=ends)
+    assert orders == [tuple(o) for o in want.orders]
+    for layer in GLOBAL_LAYERS:
+        overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
+        assert overlap >= 0.99, (layer, overlap)
+    assert got["token_ids"] == want.token_ids
+
+
 def test_gemma3_refuses_what_is_not_built_for_several_groups_naming_the_field(runs):
     _, _, ours, _ = runs
     for field in REFUSED:
@@ -148,8 +176,8 @@ def test_gemma3_refuses_what_is_not_built_for_several_groups_naming_the_field(ru
 
 def test_a_pool_too_small_for_max_model_len_is_refused_at_start_as_stock_does():
     """The plugin relaxes vLLM's start-up check for single-group models (kv_prefill_evict can
-    serve prompts longer than the pool); a hybrid model's budgets never hold less than the
-    prompt at its peak (kv_prefill_evict is refused there), so its check stays stock's.
+    serve prompts longer than the pool); on a hybrid model that is not built (the capacity
+    checks count one group), so its check stays stock's.
     Relaxed, this engine started and a 1,500-token prompt waited forever (an engine stall):
     vLLM's hybrid pool of 160 blocks holds about 800 tokens, max_model_len 2048."""
     model_dir = extra_models.pull(extra_models.GEMMA3_270M)

@@ -242,3 +242,22 @@ def test_prompt_embeds_budget_is_refused_and_the_engine_keeps_serving(model_path
     # Unbudgeted prompt embeddings stay stock: the same tokens as the same prompt as token ids.
     assert result["embeds_tokens"] == result["ids_tokens"] and len(result["ids_tokens"]) == 8
     assert result["budgeted_ids_evictions"] == 1  # and a budgeted token prompt still evicts
+
+
+def test_a_budget_on_prompt_embeddings_is_not_applied_when_let_through(model_path):
+    """Why the refusal stays: with it lifted (the request admitted as if its prompt were token
+    ids), the worker, which tracks token-id prompts only, has no state for the request; the
+    scheduler's order is a counted fault and nothing is evicted, so the budget would be
+    silently ignored (the tokens are the unbudgeted request's)."""
+    spec = {"engine": {"model": str(model_path), **ENGINE_KWARGS}, "lift": True}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, str(PROBES / "embeds_probe.py"), json.dumps(spec)],
+                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x.removeprefix("EMBEDS_PROBE ")) for x in proc.stdout.splitlines()
+             if x.startswith("EMBEDS_PROBE ")]  # fmt: skip
+    plain, got = lines
+    outcome = got["outcome"]
+    assert outcome["fault"] == "schedule: untracked" and outcome["freed_blocks"] == 0, got
+    assert outcome["prompt_tokens_kept"] == got["prompt_tokens"] > 64
+    assert got["budgeted"] == plain["plain"]

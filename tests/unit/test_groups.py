@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
 
 from obcache_vllm.options import parse_kv_options
 from obcache_vllm.vllm_ext.frontend import admission
-from obcache_vllm.vllm_ext.groups import evicting_group
+from obcache_vllm.vllm_ext.groups import evicting_group, window_blocks
 
 HEAD = dict(num_kv_heads=1, head_size=256, dtype=torch.float32)
 
@@ -110,7 +110,7 @@ def test_admission_tells_interleaved_models_from_windowed_ones():
     ({"kv_budget": 64, "kv_decode": True}, None),
     ({"kv_budget": 64, "kv_compress_at": 100}, None),  # no entry left, no reuse
     ({"kv_budget": 64, "kv_session": True}, "kv_session"),
-    ({"kv_budget": 64, "kv_prefill_evict": True}, "kv_prefill_evict"),
+    ({"kv_budget": 64, "kv_prefill_evict": True}, None),  # its peak counts every group
     ({"kv_budget": 64, "kv_when": "pressure"}, "kv_when"),
     ({"kv_budget": 64, "kv_pipeline": "adakv"}, "kv_pipeline"),
     ({"kv_budget": {"max_error": 0.01}}, "kv_budget"),
@@ -122,3 +122,14 @@ def test_options_that_need_more_than_the_global_group_are_refused_on_interleaved
     got = admission._hybrid_refusal(_vllm_config(GEMMA3), options)
     assert (got[0] if got else None) == refused
     assert admission._hybrid_refusal(_vllm_config(None, window=None), options) is None
+
+
+def test_a_bounded_peak_adds_what_the_sliding_window_groups_hold_at_most():
+    config = SimpleNamespace(max_in_flight_tokens=256,
+                             model_config=SimpleNamespace(max_model_len=2048))  # fmt: skip
+    layout = _config(_window(), _full(), _window())
+    group = evicting_group(layout)
+    # Each window: 511 tokens behind the newest plus 256 in flight, in 32-token blocks, one
+    # more for a window that starts inside a block: 25 blocks (vLLM's admission cap).
+    assert window_blocks(layout, group, config) == 2 * 25
+    assert window_blocks(_config(_full()), evicting_group(_config(_full())), config) == 0

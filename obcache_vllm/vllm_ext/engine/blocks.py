@@ -10,8 +10,10 @@ each decided by the request's :class:`~obcache_vllm.eviction.ledger.RequestBlock
   ``SingleTypeKVCacheManager._apply_cow``: the copy runs before the step's forward pass);
 * admission: a ``kv_prefill_evict`` request is admitted by its bounded peak, not its whole
   prompt (vLLM's ``full_sequence_must_fit`` gate of ``KVCacheManager.allocate_slots``), after
-  held entries gave way as they do for any request; a ``kv_when: pressure`` request as stock
-  vLLM would admit it, else by its bounded peak, and then compressed while prefilled;
+  held entries gave way as they do for any request; on a hybrid model the peak adds what the
+  sliding-window groups hold at most (vLLM's ``max_admission_blocks_per_request``); a
+  ``kv_when: pressure`` request as stock vLLM would admit it, else by its bounded peak, and
+  then compressed while prefilled;
 * freeing: dead head blocks go back to the pool as vLLM's sliding window frees them
   (``SingleTypeKVCacheManager._remove_blocks_in_range``: null blocks in place, ref counts
   decremented, so a block another request shares stays with it);
@@ -49,7 +51,8 @@ class PoolAdapter:
     """vLLM's KV-cache manager as the block ledger sees it (one per scheduler)."""
 
     def __init__(self, kv_cache_manager, ledger: BlockLedger, max_num_batched_tokens: int,
-                 group_index: int = 0, hybrid: bool = False) -> None:  # fmt: skip
+                 group_index: int = 0, hybrid: bool = False,
+                 window_blocks: int = 0) -> None:  # fmt: skip
         self.manager = kv_cache_manager
         self.ledger = ledger
         self.chunk = max_num_batched_tokens
@@ -59,6 +62,10 @@ class PoolAdapter:
         self.group_index = group_index
         self.hybrid = hybrid
         self.group = coordinator.single_type_managers[group_index]
+        self.managers = coordinator.single_type_managers
+        # A hybrid model's sliding-window groups: the most blocks a request holds in all of
+        # them at once (vLLM's own admission cap per group), added to a bounded peak.
+        self.window_blocks = window_blocks
         self.pool = kv_cache_manager.block_pool
         self.pressure_admissions = 0  # kv_when "pressure" requests admitted compressed
         # Set by the prefix adapter: releases a held compressed entry for a request whose
@@ -170,7 +177,8 @@ class PoolAdapter:
             if any(hit_blocks[i].block_id in self.in_flight for i in copies):
                 return False
         peak = blocks.peak_blocks(request.sampling_params.max_tokens or 1, self.chunk)
-        need = peak + len(copies) - self.live_blocks(request.request_id)
+        peak += self.window_blocks
+        need = peak + len(copies) - self.live_blocks(request.request_id, every_group=True)
         while need > self.pool.get_num_free_blocks():
             if self.reclaim is None or not self.reclaim(request):
                 return False
@@ -220,9 +228,11 @@ class PoolAdapter:
         blocks = self.group.req_to_blocks.get(req_id, ())
         return all(not b.is_null and b.ref_cnt == 1 for b in blocks[first:last])
 
-    def live_blocks(self, req_id: str) -> int:
-        """Blocks the request holds in the pool (null blocks excluded)."""
-        return sum(1 for b in self.group.req_to_blocks.get(req_id, ()) if not b.is_null)
+    def live_blocks(self, req_id: str, every_group: bool = False) -> int:
+        """Blocks the request holds in the pool (null blocks excluded): in the group budgets
+        evict in, or with ``every_group`` in all of them (a hybrid model's sliding windows)."""
+        managers = self.managers if every_group else (self.group,)
+        return sum(1 for m in managers for b in m.req_to_blocks.get(req_id, ()) if not b.is_null)
 
     def free_head(self, req_id: str, first: int, last: int) -> None:
         """Return blocks ``[first, last)`` of the request to the pool (null blocks in place)."""

@@ -33,10 +33,10 @@ def min_pool_tokens(vllm_config) -> int:
 
 def _one_kind_of_layer(kv_cache_specs) -> bool:
     """Whether every attention layer of every worker has the same KV-cache spec type (one
-    group). A hybrid model (sliding-window and global layers) gets several groups; its budgets
-    evict in the global group only after the prompt was held whole (``kv_prefill_evict`` is
-    refused there: admission's ``_hybrid_refusal``), so nothing makes a pool below stock's
-    minimum safe and its start-up check stays stock's."""
+    group). A hybrid model (sliding-window and global layers) gets several groups and keeps
+    stock's check: serving prompts longer than the pool there would need the capacity checks
+    (``frontend/capacity.py``) to count every group, which they do not; a pool below stock's
+    minimum stalled the engine (``tests/engine/test_gemma3.py``)."""
     kinds = {type(spec).__name__ for specs in kv_cache_specs or () for spec in specs.values()}
     return len(kinds) <= 1
 

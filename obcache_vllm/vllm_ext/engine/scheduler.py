@@ -45,7 +45,7 @@ from obcache_vllm.vllm_ext.engine.blocks import PoolAdapter
 from obcache_vllm.vllm_ext.engine.prefix import PrefixAdapter
 from obcache_vllm.vllm_ext.engine.pressure import PressurePlanner
 from obcache_vllm.vllm_ext.engine.reporting import EngineReporter, log_fault
-from obcache_vllm.vllm_ext.groups import evicting_group
+from obcache_vllm.vllm_ext.groups import evicting_group, window_blocks
 from obcache_vllm.vllm_ext.wire import (
     DISABLED_ATTR,
     ORDERS_ATTR,
@@ -90,6 +90,7 @@ class OBCacheScheduler(Scheduler):
             self.scheduler_config.max_num_batched_tokens,
             group.index,
             group.hybrid,
+            window_blocks(self.kv_cache_config, group, self.vllm_config),
         )
         self.obcache_prefix = PrefixAdapter(self, self.obcache_pool)
         self.obcache_pressure = PressurePlanner(self, self.obcache_ledger, self.obcache_pool)

@@ -52,22 +52,24 @@ pipeline parallelism              layers (and their compactions) split across st
 state-space hybrid or             KV-cache groups that are not attention (Mamba state), or
 attention-free models             none at all
 sliding-window models without     vLLM already frees the blocks behind every layer's window
-global layers, or with the
-hybrid KV-cache manager off
+global layers, or with the        (let through: a fault, and other tokens than without a
+hybrid KV-cache manager off       budget)
 interleaved sliding-window        budgets evict in the global layers (prompt end, compress
-models (Gemma 2 and 3):           point, kv_decode; CPU only); sessions, bounded-peak admission,
-sessions, kv_prefill_evict,       per-head memory and error targets are not built for several
-pressure, adakv, error targets    KV-cache groups (a request that reaches the engine on a
-                                  layout with no group to evict in is finished with an error)
+models (Gemma 2 and 3):           point, prefill chunks, kv_decode; CPU only); sessions,
+sessions, pressure, adakv,        pressure, per-head memory and error targets are not built
+error targets                     for several KV-cache groups (a request that reaches the
+                                  engine on a layout with no group to evict in is finished
+                                  with an error)
 V2 model runner                   the eviction path hooks the V1 runner
 async scheduling                  orders would be planned on stale state (a step ahead)
 ``--scheduler-cls`` not ours      EngineCore would build a scheduler that never evicts
 KV-sharing layers                 a layer reading another layer's cache would see it
                                   compacted under it
 MLA                               latent KV (one compressed head), another cache layout
+                                  (let through: a fault, and other tokens than without one)
 decode/prefill context parallel   a request's KV is split across ranks
-prompt embeddings                 the worker tracks token-id prompts only: scheduler and
-                                  worker would disagree on the request (engine death)
+prompt embeddings                 the worker tracks token-id prompts only: let through, the
+                                  budget is not applied (a counted fault, nothing evicted)
 streaming inputs (``resumable``)  each chunk is scheduled as a new request over the blocks
                                   the last one left: the worker would start it afresh and
                                   attend to the freed head blocks
@@ -236,21 +238,20 @@ def _hybrid_refusal(vllm_config, options) -> tuple[str, object] | None:
 
     Budgets evict in such a model's global layers at the prompt's end, at a compress point
     (``kv_compress_at``: the rest of the prompt computed on the compressed cache, but no entry
-    left for another request) and at decode steps (``kv_decode``); its sliding-window layers
-    run as stock. What reads or leaves state across requests or steps in more than the global
-    group is not built for several KV-cache groups: sessions (an entry would need the sliding
-    groups' window blocks as well), admission by a bounded peak (``kv_prefill_evict``, compression
-    under pressure: the peak counts the global group's blocks only); per-head memory (adakv)
-    and error targets are not checked on several groups. A budgeted request on such a model
-    reads nothing from the prefix cache (``PrefixAdapter.enabled``)."""
+    left for another request), after every prefill chunk (``kv_prefill_evict``, admitted by
+    its bounded peak plus what the sliding-window groups hold) and at decode steps
+    (``kv_decode``); its sliding-window layers run as stock. Not built for several KV-cache
+    groups: sessions (an entry would need the sliding groups' window blocks as well: with this
+    refusal lifted, a session's next turn continues nothing), compression under pressure (its
+    planner counts the global group's blocks only); per-head memory (adakv) and error targets
+    are not checked on several groups. A budgeted request on such a model reads nothing from
+    the prefix cache (``PrefixAdapter.enabled``)."""
     if not interleaved(vllm_config):
         return None
     if options.max_error is not None:
         return "kv_budget", options.requested_budget
     if options.session:
         return "kv_session", True
-    if options.prefill_evict:
-        return "kv_prefill_evict", True
     if options.when == "pressure":
         return "kv_when", options.when
     if options.heads_own_memory:
@@ -259,9 +260,10 @@ def _hybrid_refusal(vllm_config, options) -> tuple[str, object] | None:
 
 
 HYBRID_REFUSAL = ("is not supported on a model with sliding-window layers yet (budgets evict in "
-                  "its global layers at the prompt's end, at kv_compress_at and with kv_decode; "
-                  "sessions, bounded-peak admission, per-head memory and error targets are not "
-                  "built or checked for several KV-cache groups)")  # fmt: skip
+                  "its global layers at the prompt's end, at kv_compress_at, after prefill "
+                  "chunks and with kv_decode; sessions, compression under pressure, per-head "
+                  "memory and error targets are not built or checked for several KV-cache "
+                  "groups)")  # fmt: skip
 
 
 def _speculative_refusal(vllm_config, options) -> tuple[str, object] | None:

@@ -3,7 +3,9 @@
 Run as a script by test_refusals.py (another engine configuration than the session engine's).
 Prints one JSON line: how the budgeted prompt-embeds request was refused, the greedy tokens of
 one prompt given as embeddings and as token ids (no budget), and the evictions of the same
-token prompt with a budget, served by the same engine after the refusal.
+token prompt with a budget, served by the same engine after the refusal. With ``"lift"`` in
+the spec, the refusal is lifted instead (the request admitted as if its prompt were token ids)
+and it prints the unbudgeted tokens, then what the budgeted request gave or how it failed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def main() -> None:
     from obcache_vllm.textgen import haystack
 
     spec = json.loads(sys.argv[1])
+    if spec.get("lift"):  # show what the refusal prevents (tests only): admit as token ids
+        from obcache_vllm.vllm_ext.frontend import admission
+
+        admit = admission._admit
+        admission._admit = lambda cfg, req, n, embeds, *rest: admit(cfg, req, n, False, *rest)
     llm = LLM(**spec["engine"], enable_prompt_embeds=True)
     ids = llm.get_tokenizer()(haystack(12, seed=5)).input_ids
     weights = Path(spec["engine"]["model"]) / "model.safetensors"
@@ -33,6 +40,18 @@ def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=8, extra_args=kv or None)
         return list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
 
+    if spec.get("lift"):
+        print("EMBEDS_PROBE " + json.dumps({"plain": greedy({"prompt_embeds": embeds})}),
+              flush=True)  # fmt: skip
+        try:
+            params = SamplingParams(temperature=0, max_tokens=8, extra_args={"kv_budget": 64})
+            out = llm.generate([{"prompt_embeds": embeds}], params, use_tqdm=False)[0]
+            got = {"budgeted": list(out.outputs[0].token_ids), "prompt_tokens": len(ids),
+                   "outcome": (out.kv_transfer_params or {}).get("obcache")}  # fmt: skip
+        except Exception as exc:  # the engine's own failure, reported as it surfaces here
+            got = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        print("EMBEDS_PROBE " + json.dumps(got), flush=True)
+        return
     refused = None
     try:
         greedy({"prompt_embeds": embeds}, kv_budget=64)

@@ -7,10 +7,13 @@ With ``VLLM_PLUGINS=`` (stock) the engine may refuse to start: OUT.json then hol
 validation error that refused it (``{"error": message, "param": field}``), and the most blocks
 it held after any step; plus the pool size and whether every block came back.
 
-A request with ``"after": ID`` is added once request ID has finished. ``"lift":
-["speculative"]`` in IN.json lifts the refusal of decode-time eviction with speculative
-decoding (to measure why it is there). Under the plugin also: each budgeted request's outcome
-(``obcache``, as ``usage.obcache`` reports it), the KV oracle's mismatches
+A request with ``"after": ID`` is added once request ID has finished; with ``"continues": ID``
+as well, its prompt is that request's prompt and generated tokens followed by its own
+``prompt_token_ids`` (a conversation's next turn). ``"lift"`` in IN.json lifts refusals to
+measure why they are there: ``"speculative"`` (decode-time eviction with speculative
+decoding), ``"config"`` (every refusal of the engine configuration), ``"hybrid"`` (the options
+refused on interleaved sliding-window models). Under the plugin also: each budgeted request's
+outcome (``obcache``, as ``usage.obcache`` reports it), the KV oracle's mismatches
 (``OBCACHE_VLLM_VERIFY=1``), and with ``OBCACHE_VLLM_RECORD_KEEP=1`` the kept positions per
 layer index (``kept``) and the evictions' (length, prefill) (``orders``).
 """
@@ -33,10 +36,16 @@ def main() -> None:
     from vllm.exceptions import VLLMValidationError
 
     spec = json.loads(open(sys.argv[1]).read())
-    if "speculative" in spec.get("lift", ()):  # show what the refusal prevents (tests only)
+    lifted = set(spec.get("lift", ()))  # show what a refusal prevents (tests only)
+    if lifted:
         from obcache_vllm.vllm_ext.frontend import admission
 
-        admission._speculative_refusal = lambda vllm_config, options: None
+        if "speculative" in lifted:
+            admission._speculative_refusal = lambda vllm_config, options: None
+        if "config" in lifted:  # every refusal of the engine configuration
+            admission.unsupported_reason = lambda vllm_config: None
+        if "hybrid" in lifted:  # the options refused on interleaved sliding-window models
+            admission._hybrid_refusal = lambda vllm_config, options: None
     out: dict = {}
     try:
         llm = LLM(**spec["engine"])
@@ -57,12 +66,18 @@ def main() -> None:
     peak: dict[str, int] = {}
     peak_all: dict[str, int] = {}
 
+    prompts = {r["id"]: r["prompt_token_ids"] for r in spec["requests"]}
+
     def add(r: dict) -> None:
         params = SamplingParams(
             temperature=0, max_tokens=r["max_tokens"], extra_args=r.get("extra_args")
         )
+        prompt = r["prompt_token_ids"]
+        if r.get("continues"):  # a conversation's next turn: that request's prompt and answer
+            done = r["continues"]
+            prompt = prompts[r["id"]] = prompts[done] + results[done]["token_ids"] + prompt
         try:
-            engine_ids[engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]},
+            engine_ids[engine.add_request(r["id"], {"prompt_token_ids": prompt},
                                           params)] = r["id"]  # fmt: skip
             peak[r["id"]] = 0
         except (ValueError, VLLMValidationError) as exc:
