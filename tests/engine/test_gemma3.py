@@ -33,6 +33,7 @@ BUDGET = {"kv_budget": 0.25, "kv_pipeline": "snapkv", "kv_scorer": "obcache_key"
 DECODE = {**BUDGET, "kv_budget": 512, "kv_decode": True}
 POINT = {**BUDGET, "kv_compress_at": 1200}  # the rest of the prompt on the compressed cache
 CHUNKS = {**BUDGET, "kv_prefill_evict": True}  # evicted after every 256-token prefill chunk
+TARGET = {**BUDGET, "kv_budget": {"max_error": 0.05}}  # the error of the global layers
 REFUSED = {  # field -> the options that ask for it (each needs state in more than one group)
     "kv_session": {"kv_session": True},
     "kv_when": {"kv_when": "pressure"},
@@ -64,6 +65,7 @@ def runs(model_dir):
         {"id": "budget", "prompt_token_ids": ids[0], "max_tokens": 16, "extra_args": BUDGET},
         {"id": "point", "prompt_token_ids": ids[0], "max_tokens": 16, "extra_args": POINT},
         {"id": "chunks", "prompt_token_ids": ids[1], "max_tokens": 16, "extra_args": CHUNKS},
+        {"id": "target", "prompt_token_ids": ids[1], "max_tokens": 16, "extra_args": TARGET},
         {"id": "decode", "prompt_token_ids": ids[1][:600], "max_tokens": 96,
          "extra_args": DECODE},
     ]  # fmt: skip
@@ -160,6 +162,29 @@ def test_gemma3_prefill_evict_evicts_after_every_chunk_as_the_hf_reference(runs,
     ends = [n for n, _ in orders if n < len(ids[1])]
     want = ref.run_evicting(model, torch.tensor(ids[1]), options, BS, 16, prefill_ends=ends)
     assert orders == [tuple(o) for o in want.orders]
+    for layer in GLOBAL_LAYERS:
+        overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
+        assert overlap >= 0.99, (layer, overlap)
+    assert got["token_ids"] == want.token_ids
+
+
+def test_gemma3_error_target_is_the_fixed_budget_it_chose_as_the_hf_reference(runs, model_dir):
+    """An error target on a hybrid model: its error estimated in the global layers, within the
+    target; what it keeps in each global layer and the tokens it gives are the HF reference's
+    for a fixed budget of the count it chose."""
+    from obcache_vllm.evidence import hf_reference as ref
+    from obcache_vllm.options import parse_kv_options
+
+    ids, _, ours, _ = runs
+    got = ours["results"]["target"]
+    outcome = got["obcache"]
+    chosen = outcome["chosen_budget"]
+    assert 0 <= outcome["estimated_error"] <= 0.05 and chosen < len(ids[1]), outcome
+    assert outcome["prompt_tokens_kept"] == chosen and outcome["freed_blocks"] > 0, outcome
+    model, _ = ref.load_model(model_dir)
+    options = parse_kv_options({**BUDGET, "kv_budget": chosen}, len(ids[1]))
+    want = ref.compress_and_generate(model, torch.tensor(ids[1]), options, BS, 16)
+    assert want.num_kept == chosen
     for layer in GLOBAL_LAYERS:
         overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
         assert overlap >= 0.99, (layer, overlap)

@@ -55,11 +55,11 @@ sliding-window models without     vLLM already frees the blocks behind every lay
 global layers, or with the        (let through: a fault, and other tokens than without a
 hybrid KV-cache manager off       budget)
 interleaved sliding-window        budgets evict in the global layers (prompt end, compress
-models (Gemma 2 and 3):           point, prefill chunks, kv_decode; CPU only); sessions,
-sessions, pressure, adakv,        pressure, per-head memory and error targets are not built
-error targets                     for several KV-cache groups (a request that reaches the
-                                  engine on a layout with no group to evict in is finished
-                                  with an error)
+models (Gemma 2 and 3):           point, prefill chunks, kv_decode, error targets; CPU only);
+sessions, pressure, adakv         sessions, pressure and per-head memory are not built for
+                                  several KV-cache groups (a request that reaches the engine
+                                  on a layout with no group to evict in is finished with an
+                                  error)
 V2 model runner                   the eviction path hooks the V1 runner
 async scheduling                  orders would be planned on stale state (a step ahead)
 ``--scheduler-cls`` not ours      EngineCore would build a scheduler that never evicts
@@ -240,16 +240,15 @@ def _hybrid_refusal(vllm_config, options) -> tuple[str, object] | None:
     (``kv_compress_at``: the rest of the prompt computed on the compressed cache, but no entry
     left for another request), after every prefill chunk (``kv_prefill_evict``, admitted by
     its bounded peak plus what the sliding-window groups hold) and at decode steps
-    (``kv_decode``); its sliding-window layers run as stock. Not built for several KV-cache
-    groups: sessions (an entry would need the sliding groups' window blocks as well: with this
+    (``kv_decode``), to a fixed budget or an error target (its error estimated in the global
+    layers); its sliding-window layers run as stock. Not built for several KV-cache groups:
+    sessions (an entry would need the sliding groups' window blocks as well: with this
     refusal lifted, a session's next turn continues nothing), compression under pressure (its
-    planner counts the global group's blocks only); per-head memory (adakv) and error targets
-    are not checked on several groups. A budgeted request on such a model reads nothing from
-    the prefix cache (``PrefixAdapter.enabled``)."""
+    planner counts the global group's blocks only); per-head memory (adakv) is not checked on
+    several groups. A budgeted request on such a model reads nothing from the prefix cache
+    (``PrefixAdapter.enabled``)."""
     if not interleaved(vllm_config):
         return None
-    if options.max_error is not None:
-        return "kv_budget", options.requested_budget
     if options.session:
         return "kv_session", True
     if options.when == "pressure":
@@ -261,9 +260,8 @@ def _hybrid_refusal(vllm_config, options) -> tuple[str, object] | None:
 
 HYBRID_REFUSAL = ("is not supported on a model with sliding-window layers yet (budgets evict in "
                   "its global layers at the prompt's end, at kv_compress_at, after prefill "
-                  "chunks and with kv_decode; sessions, compression under pressure, per-head "
-                  "memory and error targets are not built or checked for several KV-cache "
-                  "groups)")  # fmt: skip
+                  "chunks and with kv_decode; sessions, compression under pressure and per-head "
+                  "memory are not built or checked for several KV-cache groups)")  # fmt: skip
 
 
 def _speculative_refusal(vllm_config, options) -> tuple[str, object] | None:
@@ -440,8 +438,7 @@ def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, a
     hybrid = _hybrid_refusal(vllm_config, options)
     if hybrid is not None:
         field, value = hybrid
-        what = "an error target" if options.max_error is not None else field
-        raise KvOptionsError(field, f"{what} {HYBRID_REFUSAL}", value)
+        raise KvOptionsError(field, f"{field} {HYBRID_REFUSAL}", value)
     if options.session and not vllm_config.cache_config.enable_prefix_caching:
         raise KvOptionsError(
             "kv_session",

@@ -119,7 +119,8 @@ def main() -> None:
         [r.req_id, r.evictions, r.kept_prompt] for r in scheduler.obcache_finished
     ] if hasattr(scheduler, "obcache_finished") else []
     out["mismatches"] = [str(m) for m in getattr(scheduler, "obcache_mismatches", ())]
-    runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    driver = getattr(engine.engine_core.engine_core.model_executor, "driver_worker", None)
+    runner = driver.worker.model_runner if driver is not None else None  # None: workers apart
     records = getattr(getattr(runner, "obcache", None), "records", None)
     if records:  # OBCACHE_VLLM_RECORD_KEEP=1: kept positions per layer index, orders
         for engine_id, rid in engine_ids.items():
