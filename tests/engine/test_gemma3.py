@@ -43,6 +43,15 @@ ENV = {"OBCACHE_VLLM_RECORD_KEEP": "1", "OBCACHE_VLLM_VERIFY": "1"}
 GLOBAL_LAYERS = (5, 11, 17)
 
 
+def _assert_as_reference(got: dict, want) -> None:
+    """The engine's request kept, in each global layer, the positions the HF reference kept
+    (its last eviction's), and gave the reference's tokens."""
+    for layer in GLOBAL_LAYERS:
+        overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
+        assert overlap >= 0.99, (layer, overlap)
+    assert got["token_ids"] == want.token_ids
+
+
 def _run(spec: dict, stock: bool, core: int) -> dict:
     return run_pool(spec, stock, core, ENV, timeout=1100)
 
@@ -108,10 +117,7 @@ def test_gemma3_budget_evicts_in_the_global_layers_as_the_hf_reference(runs, mod
     options = parse_kv_options(fields, len(ids[0]))
     want = ref.compress_and_generate(model, torch.tensor(ids[0]), options, BS, 16)
     assert sorted(want.kept) == list(GLOBAL_LAYERS)
-    for layer in GLOBAL_LAYERS:
-        overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
-        assert overlap >= 0.99, (layer, overlap)
-    assert got["token_ids"] == want.token_ids
+    _assert_as_reference(got, want)
     assert len(set(want.token_ids)) > 4, want.token_ids  # a real continuation, not one token
     tail = len(ids[0]) - options.compress_point(len(ids[0]))  # kept whole after the point
     assert outcome["prompt_tokens_kept"] == want.num_kept + tail
@@ -137,10 +143,7 @@ def test_gemma3_kv_decode_evicts_in_the_global_layers_as_the_hf_reference(runs, 
     options = parse_kv_options(DECODE, len(prompt))
     want = ref.run_evicting(model, torch.tensor(prompt), options, BS, 96)
     assert orders == [tuple(o) for o in want.orders]
-    for layer in GLOBAL_LAYERS:
-        overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
-        assert overlap >= 0.99, (layer, overlap)
-    assert got["token_ids"] == want.token_ids
+    _assert_as_reference(got, want)
 
 
 def test_gemma3_prefill_evict_evicts_after_every_chunk_as_the_hf_reference(runs, model_dir):
@@ -162,10 +165,7 @@ def test_gemma3_prefill_evict_evicts_after_every_chunk_as_the_hf_reference(runs,
     ends = [n for n, _ in orders if n < len(ids[1])]
     want = ref.run_evicting(model, torch.tensor(ids[1]), options, BS, 16, prefill_ends=ends)
     assert orders == [tuple(o) for o in want.orders]
-    for layer in GLOBAL_LAYERS:
-        overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
-        assert overlap >= 0.99, (layer, overlap)
-    assert got["token_ids"] == want.token_ids
+    _assert_as_reference(got, want)
 
 
 def test_gemma3_error_target_is_the_fixed_budget_it_chose_as_the_hf_reference(runs, model_dir):
@@ -185,10 +185,7 @@ def test_gemma3_error_target_is_the_fixed_budget_it_chose_as_the_hf_reference(ru
     options = parse_kv_options({**BUDGET, "kv_budget": chosen}, len(ids[1]))
     want = ref.compress_and_generate(model, torch.tensor(ids[1]), options, BS, 16)
     assert want.num_kept == chosen
-    for layer in GLOBAL_LAYERS:
-        overlap = kept_overlap(torch.tensor(got["kept"][str(layer)]), want.kept[layer])
-        assert overlap >= 0.99, (layer, overlap)
-    assert got["token_ids"] == want.token_ids
+    _assert_as_reference(got, want)
 
 
 def test_gemma3_refuses_what_is_not_built_for_several_groups_naming_the_field(runs):

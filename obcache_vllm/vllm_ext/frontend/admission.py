@@ -247,12 +247,17 @@ def _hybrid_refusal(vllm_config, options) -> tuple[str, object] | None:
     planner counts the global group's blocks only); per-head memory (adakv) is not checked on
     several groups. A budgeted request on such a model reads nothing from the prefix cache
     (``PrefixAdapter.enabled``)."""
-    if not interleaved(vllm_config):
-        return None
-    if options.session:
-        return "kv_session", True
+    return _state_after_eviction(options) if interleaved(vllm_config) else None
+
+
+def _state_after_eviction(options) -> tuple[str, object] | None:
+    """(field, value) of the first option whose state outlives one eviction: compression under
+    pressure (an eviction at any later step), a session (an entry left for the next turn),
+    per-head memory (a layout read by every later step); None without any."""
     if options.when == "pressure":
         return "kv_when", options.when
+    if options.session:
+        return "kv_session", True
     if options.heads_own_memory:
         return "kv_pipeline", options.pipeline
     return None
@@ -280,13 +285,7 @@ def _speculative_refusal(vllm_config, options) -> tuple[str, object] | None:
         return None
     if options.decode:
         return "kv_decode", True
-    if options.when == "pressure":
-        return "kv_when", options.when
-    if options.session:
-        return "kv_session", True
-    if options.heads_own_memory:
-        return "kv_pipeline", options.pipeline
-    return None
+    return _state_after_eviction(options)
 
 
 SPECULATIVE_REFUSAL = ("is not supported with speculative decoding (decode-time eviction is "
