@@ -19,6 +19,8 @@ Glossary: L prompt tokens (prefilled), Hkv KV heads, K kept per head on average,
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -62,7 +64,8 @@ def layer_scores(state: Prefill, options: KvOptions) -> dict[int, Tensor]:
     scorer, pipeline = options.build_scoring()
     need, length = options.query_window, state.length
     out = {}
-    for layer, (q, k, v) in enumerate(zip(state.queries, state.keys, state.values, strict=True)):
+    for layer in state.layers or range(len(state.keys)):  # a hybrid model: its global layers
+        q, k, v = state.queries[layer], state.keys[layer], state.values[layer]
         q = q if need < 0 else q[-need:]
         q_pos = torch.arange(length - q.shape[0], length)
         out[layer] = pipeline.prefill_scores(scorer, q, k, v, state.geometry, q_pos,
@@ -134,9 +137,12 @@ def forced_logits(model, state: Prefill, kept: dict[int, Tensor] | None, tokens:
     """
     from transformers import DynamicCache
 
-    data = [(k.transpose(0, 1).unsqueeze(0).contiguous(), v.transpose(0, 1).unsqueeze(0)
-             .contiguous()) for k, v in zip(state.keys, state.values, strict=True)]  # fmt: skip
-    cache = DynamicCache(ddp_cache_data=data, config=model.config)
+    if state.cache is not None:  # a hybrid model: its sliding-window layers hold their window
+        cache = copy.deepcopy(state.cache)
+    else:
+        data = [(k.transpose(0, 1).unsqueeze(0).contiguous(), v.transpose(0, 1).unsqueeze(0)
+                 .contiguous()) for k, v in zip(state.keys, state.values, strict=True)]  # fmt: skip
+        cache = DynamicCache(ddp_cache_data=data, config=model.config)
     prefix = [] if rest is None else [int(t) for t in rest.reshape(-1)]
     inputs = prefix + list(tokens[:-1])
     previous = model.config._attn_implementation

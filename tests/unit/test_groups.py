@@ -111,8 +111,8 @@ def test_admission_tells_interleaved_models_from_windowed_ones():
     ({"kv_budget": 64, "kv_compress_at": 100}, None),  # no entry left, no reuse
     ({"kv_budget": 64, "kv_session": True}, "kv_session"),
     ({"kv_budget": 64, "kv_prefill_evict": True}, None),  # its peak counts every group
-    ({"kv_budget": 64, "kv_when": "pressure"}, "kv_when"),
-    ({"kv_budget": 64, "kv_pipeline": "adakv"}, "kv_pipeline"),
+    ({"kv_budget": 64, "kv_when": "pressure"}, None),  # the planner counts every group
+    ({"kv_budget": 64, "kv_pipeline": "adakv"}, None),  # per-head memory in the global layers
     ({"kv_budget": {"max_error": 0.01}}, None),  # estimated in the global layers
 ])  # fmt: skip
 def test_options_that_need_more_than_the_global_group_are_refused_on_interleaved_models(

@@ -215,12 +215,16 @@ class PoolAdapter:
     # -- the request's blocks ----------------------------------------------------------------
     def next_step_blocks(self, request) -> int:
         """Blocks ``request`` allocates in its next step (as vLLM's allocate_slots counts):
-        its next chunk, or one more token."""
-        held = len(self.group.req_to_blocks.get(request.request_id, ()))
+        its next chunk, or one more token; on a hybrid model in every group."""
         remaining = request.num_tokens - request.num_computed_tokens
         chunk = min(max(remaining, 1), self.chunk)
         bs = self.group.block_size
-        return max(0, -(-(request.num_computed_tokens + chunk) // bs) - held)
+        need = -(-(request.num_computed_tokens + chunk) // bs)
+        # A hybrid model's sliding-window groups allocate the same new blocks (an upper bound:
+        # vLLM frees the blocks behind each window before it allocates).
+        managers = self.managers if self.hybrid else (self.group,)
+        return sum(max(0, need - len(m.req_to_blocks.get(request.request_id, ())))
+                   for m in managers)  # fmt: skip
 
     def sole_owner(self, req_id: str, first: int, last: int) -> bool:
         """Whether blocks ``[first, last)`` of the request are held by it alone (a hash

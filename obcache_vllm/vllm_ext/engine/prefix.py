@@ -308,8 +308,10 @@ class PrefixAdapter:
         it only if it holds them alone) leave the prefix cache now, before their KV changes;
         where the pool has the blocks, their stock KV is copied into spares that are
         registered in their place after the step (:meth:`settle_preserved`), so the prefix
-        cache keeps what stock vLLM would. Returns the order, with its spares."""
-        if not self.enabled:
+        cache keeps what stock vLLM would. Returns the order, with its spares. On a hybrid
+        model (no entries, :attr:`enabled` off) the hashes still leave, without spares: the
+        prefix cache loses those blocks."""
+        if not self.manager.enable_caching:
             return order
         bs = self.block_size
         req_blocks = self.group.req_to_blocks[request.request_id]
@@ -318,7 +320,7 @@ class PrefixAdapter:
         if not hashed:
             return order
         self.pool.evict_blocks({req_blocks[i].block_id for i in hashed})
-        if len(request.block_hashes) < full:
+        if not self.enabled or len(request.block_hashes) < full:
             return order
         # The pool is short (that is why it compresses): without spare blocks they are dropped.
         return self._with_spares(order, range(hashed[0], full))

@@ -61,10 +61,11 @@ class PressurePlanner:
             return 0
         request = waiting.peek_request()
         blocks = self.ledger.get(request.request_id)
+        # A hybrid model's sliding-window groups hold at most window_blocks besides (0 else).
         if blocks is not None and blocks.on_pressure:
             max_tokens = request.sampling_params.max_tokens or 1
-            return blocks.peak_blocks(max_tokens, self.pool.chunk)
-        return _cdiv(request.num_tokens + 1, self.pool.group.block_size)
+            return blocks.peak_blocks(max_tokens, self.pool.chunk) + self.pool.window_blocks
+        return _cdiv(request.num_tokens + 1, self.pool.group.block_size) + self.pool.window_blocks
 
     def _gain(self, req_id: str, blocks, logical_len: int) -> int:
         """Blocks compressing ``req_id`` now would free; 0 where its order would write a block

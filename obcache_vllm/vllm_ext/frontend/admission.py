@@ -55,8 +55,8 @@ sliding-window models without     vLLM already frees the blocks behind every lay
 global layers, or with the        (let through: a fault, and other tokens than without a
 hybrid KV-cache manager off       budget)
 interleaved sliding-window        budgets evict in the global layers (prompt end, compress
-models (Gemma 2 and 3):           point, prefill chunks, kv_decode, error targets; CPU only);
-sessions, pressure, adakv         sessions, pressure and per-head memory are not built for
+models (Gemma 2 and 3): sessions  point, prefill chunks, kv_decode, error targets, adakv,
+                                  pressure; CPU only); a session's entry is not built for
                                   several KV-cache groups (a request that reaches the engine
                                   on a layout with no group to evict in is finished with an
                                   error)
@@ -241,32 +241,20 @@ def _hybrid_refusal(vllm_config, options) -> tuple[str, object] | None:
     left for another request), after every prefill chunk (``kv_prefill_evict``, admitted by
     its bounded peak plus what the sliding-window groups hold) and at decode steps
     (``kv_decode``), to a fixed budget or an error target (its error estimated in the global
-    layers); its sliding-window layers run as stock. Not built for several KV-cache groups:
-    sessions (an entry would need the sliding groups' window blocks as well: with this
-    refusal lifted, a session's next turn continues nothing), compression under pressure (its
-    planner counts the global group's blocks only); per-head memory (adakv) is not checked on
-    several groups. A budgeted request on such a model reads nothing from the prefix cache
+    layers), uniform or per head (adakv's own memory in the global layers), always or under
+    pressure (the planner counts every group's blocks); its sliding-window layers run as
+    stock. Not built for several KV-cache groups: sessions (an entry would need the sliding
+    groups' window blocks as well: with this refusal lifted, a session's next turn continues
+    nothing). A budgeted request on such a model reads nothing from the prefix cache
     (``PrefixAdapter.enabled``)."""
-    return _state_after_eviction(options) if interleaved(vllm_config) else None
-
-
-def _state_after_eviction(options) -> tuple[str, object] | None:
-    """(field, value) of the first option whose state outlives one eviction: compression under
-    pressure (an eviction at any later step), a session (an entry left for the next turn),
-    per-head memory (a layout read by every later step); None without any."""
-    if options.when == "pressure":
-        return "kv_when", options.when
-    if options.session:
+    if interleaved(vllm_config) and options.session:
         return "kv_session", True
-    if options.heads_own_memory:
-        return "kv_pipeline", options.pipeline
     return None
 
 
 HYBRID_REFUSAL = ("is not supported on a model with sliding-window layers yet (budgets evict in "
-                  "its global layers at the prompt's end, at kv_compress_at, after prefill "
-                  "chunks and with kv_decode; sessions, compression under pressure and per-head "
-                  "memory are not built or checked for several KV-cache groups)")  # fmt: skip
+                  "its global layers; a session's continued cache is not built for several "
+                  "KV-cache groups)")  # fmt: skip
 
 
 def _speculative_refusal(vllm_config, options) -> tuple[str, object] | None:
@@ -285,7 +273,13 @@ def _speculative_refusal(vllm_config, options) -> tuple[str, object] | None:
         return None
     if options.decode:
         return "kv_decode", True
-    return _state_after_eviction(options)
+    if options.when == "pressure":
+        return "kv_when", options.when
+    if options.session:
+        return "kv_session", True
+    if options.heads_own_memory:
+        return "kv_pipeline", options.pipeline
+    return None
 
 
 SPECULATIVE_REFUSAL = ("is not supported with speculative decoding (decode-time eviction is "
