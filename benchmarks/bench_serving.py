@@ -111,6 +111,10 @@ WORKLOADS: dict[str, Workload] = {
     "gemma3-8k": Workload(8, 8192, 128, {"kv_budget": 0.25, **TOVA_KEY}, None, 900,
                           same_pool=True, note="Gemma 3 270M, long prompts, the global layers "
                           "compressed (run with --model of gemma-3-270m)"),
+    "gemma3-8k-pe": Workload(8, 8192, 128, {"kv_budget": 0.25, "kv_prefill_evict": True,
+                                            **TOVA_KEY}, None, 900, same_pool=True,
+                             note="the same, evicting after every prefill chunk: admitted by "
+                             "a bounded peak"),
     "gemma3-8k-large": Workload(8, 8192, 128, {"kv_budget": 0.25, **TOVA_KEY}, None, 1400,
                                 same_pool=True, note="the same with a larger pool: stock holds "
                                 "a prefill beside a decode"),
