@@ -3,7 +3,7 @@
 vLLM gives a model one KV-cache group per kind of attention layer (``KVCacheConfig.
 kv_cache_groups``; its hybrid KV-cache manager). A model whose attention layers are all global
 (Llama, Qwen, Mistral without a window) has one group, and budgets evict there. A hybrid model
-of sliding-window and global layers (Gemma 2 and 3, GPT-OSS) has one group of global layers and
+of sliding-window and global layers (Gemma 2 and 3) has one group of global layers and
 one or more of sliding-window layers, all with the same block size, sharing one block pool.
 Budgets evict in the global layers' group only: those hold the whole context (nearly all of a
 long prompt's KV), while a sliding-window layer holds its last window and vLLM already frees

@@ -51,18 +51,15 @@ class PoolAdapter:
     """vLLM's KV-cache manager as the block ledger sees it (one per scheduler)."""
 
     def __init__(self, kv_cache_manager, ledger: BlockLedger, max_num_batched_tokens: int,
-                 group_index: int = 0, hybrid: bool = False,
-                 window_blocks: int = 0) -> None:  # fmt: skip
+                 group_index: int = 0, window_blocks: int = 0) -> None:  # fmt: skip
         self.manager = kv_cache_manager
         self.ledger = ledger
         self.chunk = max_num_batched_tokens
-        coordinator = kv_cache_manager.coordinator
         # The group budgets evict in (:mod:`obcache_vllm.vllm_ext.groups`): the only one, or a
         # hybrid model's global layers; its sliding-window groups are vLLM's alone.
+        self.managers = kv_cache_manager.coordinator.single_type_managers
         self.group_index = group_index
-        self.hybrid = hybrid
-        self.group = coordinator.single_type_managers[group_index]
-        self.managers = coordinator.single_type_managers
+        self.group = self.managers[group_index]
         # A hybrid model's sliding-window groups: the most blocks a request holds in all of
         # them at once (vLLM's own admission cap per group), added to a bounded peak.
         self.window_blocks = window_blocks
@@ -77,6 +74,7 @@ class PoolAdapter:
         # Block ids registered in the prefix cache during the current schedule() (their KV is
         # written by this step's forward pass); cleared by new_step().
         self.in_flight: set[int] = set()
+        coordinator = kv_cache_manager.coordinator
         self._cache_blocks = coordinator.cache_blocks
         self._allocate_slots = kv_cache_manager.allocate_slots
         self._take_copies = kv_cache_manager.take_kv_cache_block_copies
@@ -222,15 +220,19 @@ class PoolAdapter:
         need = -(-(request.num_computed_tokens + chunk) // bs)
         # A hybrid model's sliding-window groups allocate the same new blocks (an upper bound:
         # vLLM frees the blocks behind each window before it allocates).
-        managers = self.managers if self.hybrid else (self.group,)
         return sum(max(0, need - len(m.req_to_blocks.get(request.request_id, ())))
-                   for m in managers)  # fmt: skip
+                   for m in self.managers)  # fmt: skip
 
     def sole_owner(self, req_id: str, first: int, last: int) -> bool:
         """Whether blocks ``[first, last)`` of the request are held by it alone (a hash
         allowed: :meth:`PrefixAdapter.release_for_pressure` drops it)."""
         blocks = self.group.req_to_blocks.get(req_id, ())
         return all(not b.is_null and b.ref_cnt == 1 for b in blocks[first:last])
+
+    @property
+    def hybrid(self) -> bool:
+        """Several groups: the others a hybrid model's sliding-window layers."""
+        return len(self.managers) > 1
 
     def live_blocks(self, req_id: str, every_group: bool = False) -> int:
         """Blocks the request holds in the pool (null blocks excluded): in the group budgets

@@ -89,7 +89,6 @@ class OBCacheScheduler(Scheduler):
             self.obcache_ledger,
             self.scheduler_config.max_num_batched_tokens,
             group.index,
-            group.hybrid,
             window_blocks(self.kv_cache_config, group, self.vllm_config),
         )
         self.obcache_prefix = PrefixAdapter(self, self.obcache_pool)
