@@ -128,7 +128,7 @@ def test_gemma3_budget_evicts_in_the_global_layers_as_the_hf_reference(runs, mod
 
 def test_gemma3_kv_decode_evicts_in_the_global_layers_as_the_hf_reference(runs, model_dir):
     """kv_decode on the global layers: evictions at decode steps, the global group's blocks
-    bounded by the budget plus a block; the evictions (length, prefill), the last one's kept
+    never past its prompt's and one more; the evictions (length, prefill), the last one's kept
     positions per global layer and the greedy tokens equal the step-by-step HF reference's
     (:func:`~obcache_vllm.evidence.hf_reference.run_evicting`, whose sliding-window layers go
     on in HF's own cache)."""
