@@ -71,6 +71,10 @@ FAMILIES: tuple[Family, ...] = (
 )  # fmt: skip
 BY_NAME = {f.name: f for f in FAMILIES}
 
+# Stands for the tokenizer's vocabulary size in a family's config (Gemma 3n's per-layer input
+# embeddings default to 262,144 rows).
+PER_LAYER_VOCAB = "tokenizer vocabulary"
+
 # Layouts whose budgets are refused, written the same way to show the refusal is still needed
 # (``tests/engine/test_refusals_needed.py``: the refusal lifted, the budget goes wrong).
 REFUSED_FAMILIES: tuple[Family, ...] = (
@@ -82,6 +86,14 @@ REFUSED_FAMILIES: tuple[Family, ...] = (
             "qk_rope_head_dim": 64, "v_head_dim": 64, "first_k_dense_replace": 2,
             "n_routed_experts": 2, "num_experts_per_tok": 1, "n_shared_experts": 1,
             "moe_intermediate_size": 64, "pad_token_id": 0}),
+    Family("gemma3n-shared", "Gemma3nTextConfig", "Gemma3nForCausalLM",
+           "KV-sharing layers (the last two of six read an earlier layer's KV cache), "
+           "interleaved sliding-window and global layers",
+           {"num_hidden_layers": 6, "layer_types": ["sliding_attention", "full_attention"] * 3,
+            "num_kv_shared_layers": 2, "sliding_window": 128,
+            "activation_sparsity_pattern": [0.0] * 6, "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": PER_LAYER_VOCAB, "laurel_rank": 16,
+            "pad_token_id": 0, "tie_word_embeddings": True}),  # vLLM's Gemma 3n ties them
 )  # fmt: skip
 BY_NAME.update({f.name: f for f in REFUSED_FAMILIES})
 
@@ -99,7 +111,9 @@ def write_model(family: Family, out: Path, tokenizer_dir: Path, seed: int = 0) -
         return out
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cls = getattr(transformers, family.config_class)
-    config = cls(**{**COMMON, **family.config}, vocab_size=len(tokenizer),
+    settings = {k: len(tokenizer) if v == PER_LAYER_VOCAB else v
+                for k, v in {**COMMON, **family.config}.items()}  # fmt: skip
+    config = cls(**settings, vocab_size=len(tokenizer),
                  bos_token_id=tokenizer.bos_token_id,
                  eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     config.architectures = [family.architecture]

@@ -150,13 +150,15 @@ def evicting_layers(model) -> tuple[int, ...]:
     """The layers a budget evicts in, as vLLM's group of global layers holds them
     (:mod:`obcache_vllm.vllm_ext.groups`): every layer, or for a model that interleaves
     sliding-window and global layers (``layer_types``: Gemma 2 and 3) the global ones, in
-    layer order (the worker's layer index ``i`` is ``evicting_layers(model)[i]``)."""
+    layer order (the worker's layer index ``i`` is ``evicting_layers(model)[i]``). A layer that
+    reads another layer's KV cache (Gemma 3n's KV-sharing layers) has none to evict in."""
     cfg = model.config.get_text_config()
-    count = len(_attention_modules(model))
+    attn = _attention_modules(model)
+    owners = [i for i, a in enumerate(attn) if not getattr(a, "is_kv_shared_layer", False)]
     kinds = getattr(cfg, "layer_types", None)
     if getattr(cfg, "sliding_window", None) is None or not kinds:
-        return tuple(range(count))
-    return tuple(i for i in range(count) if kinds[i] == "full_attention")
+        return tuple(owners)
+    return tuple(i for i in owners if kinds[i] == "full_attention")
 
 
 def _geometry(model) -> HeadGeometry:

@@ -47,7 +47,10 @@ decode-time eviction (kv_decode,  back the rejected ones: eviction at decode ste
 pressure, sessions, adakv)        measured inexact (one of four kv_decode requests left
                                   greedy's tokens); budgets that evict before decoding
                                   (prompt end, kv_compress_at, prefill chunks) are served
-KV connectors / offloading        they assume positional block contents
+KV connectors / offloading        they assume positional block contents (let through, a
+                                  connector that saves a finished request's blocks under
+                                  its prompt's hashes gave the next request with that
+                                  prompt compacted blocks as its KV: other tokens)
 pipeline parallelism              layers (and their compactions) split across stages
 state-space hybrid or             KV-cache groups that are not attention (Mamba state), or
 attention-free models             none at all
@@ -63,8 +66,10 @@ models (Gemma 2 and 3): sessions  point, prefill chunks, kv_decode, error target
 V2 model runner                   the eviction path hooks the V1 runner
 async scheduling                  orders would be planned on stale state (a step ahead)
 ``--scheduler-cls`` not ours      EngineCore would build a scheduler that never evicts
-KV-sharing layers                 a layer reading another layer's cache would see it
-                                  compacted under it
+KV-sharing layers                 the worker would take a sharing layer (Gemma 3n) for a
+                                  layer with a cache of its own and compact the cache it
+                                  reads a second time (let through: other tokens than the
+                                  HF reference's)
 MLA                               latent KV (one compressed head), another cache layout
                                   (let through: a fault, and other tokens than without one)
 decode/prefill context parallel   a request's KV is split across ranks

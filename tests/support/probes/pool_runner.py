@@ -94,7 +94,8 @@ def main() -> None:
         for o in engine.step():
             if o.finished:
                 rid = engine_ids.get(o.request_id, o.request_id)  # engine or client id
-                results[rid] = {"token_ids": list(o.outputs[0].token_ids)}
+                results[rid] = {"token_ids": list(o.outputs[0].token_ids),
+                                "cached_tokens": o.num_cached_tokens}  # prefix cache, connector
                 params = o.kv_transfer_params or {}
                 if "obcache" in params:  # a budgeted request's outcome (usage.obcache)
                     results[rid]["obcache"] = params["obcache"]
