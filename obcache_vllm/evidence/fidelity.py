@@ -456,6 +456,15 @@ def _lengths(results: dict) -> str:
     return f"{min(sizes)}-{max(sizes)} tokens (mean {sum(sizes) / len(sizes):.0f})"
 
 
+def _reference_note(results: dict) -> str:
+    dtype = results.get("kv_cache_dtype", "auto")
+    ref = results.get("reference_kv_cache_dtype", dtype)
+    if ref == dtype:
+        return ""
+    return (f" The full cache compared with is the `{ref}` KV cache's; every arm, `full` "
+            f"included, runs on the `{dtype}` cache (`full`: what that cache alone costs).")
+
+
 def render(results: dict) -> str:
     """fidelity.md: the command, the samples, one row per arm."""
     summary = results["summary"]
@@ -466,7 +475,8 @@ def render(results: dict) -> str:
         f"{len(results['samples'])} prompts ({results['kinds']}), {_lengths(results)}, "
         f"{results['tokens']} forced tokens (the full cache's greedy "
         "continuation). Means over prompts with 95 % paired-bootstrap intervals."
-        + (f" KL: the {results['estimate']} estimate, a lower bound." if estimate else ""),
+        + (f" KL: the {results['estimate']} estimate, a lower bound." if estimate else "")
+        + _reference_note(results),
         "",
         f"| arm | kept fraction | KL(full ‖ arm){' estimate' if estimate else ''}, nats/token | "
         "top-1 agreement | first divergence (token) | KL − attn's |",
@@ -595,12 +605,18 @@ def write_reports(results: dict, out: Path) -> list[Path]:
 
 
 def run(llm, samples: Sequence[Sample], arm_list: Sequence[Arm], tokens: int,
-        progress=None) -> dict[str, dict[str, dict]]:  # fmt: skip
-    """Both phases on one in-process engine built with ``logits_processors=[FIDELITY_FQCN]``;
-    returns ``{arm: {sample: request stats + kept_fraction + usage}}``."""
-    from vllm import SamplingParams
+        progress=None, reference_llm=None) -> dict[str, dict[str, dict]]:  # fmt: skip
+    """Both phases on one in-process engine built with ``logits_processors=[FIDELITY_FQCN]``
+    (the reference on ``reference_llm`` when given: another ``--kv-cache-dtype``, built the
+    same way); returns ``{arm: {sample: request stats + kept_fraction + usage}}``."""
+    continuation = reference(reference_llm or llm, samples, tokens)
+    return compare(llm, samples, arm_list, continuation, tokens, progress)
 
-    from obcache_vllm.evidence.forcing import forced_params
+
+def reference(llm, samples: Sequence[Sample], tokens: int) -> dict[str, list[int]]:
+    """Phase 1: the full cache's greedy continuation of each sample, its distributions kept
+    in :data:`STORE` (``references``) for :func:`compare`."""
+    from vllm import SamplingParams
 
     STORE.clear()
     ref_params = [
@@ -622,6 +638,16 @@ def run(llm, samples: Sequence[Sample], arm_list: Sequence[Arm], tokens: int,
         if len(STORE.references.get(s.name, {})) < tokens:
             raise RuntimeError(f"{s.name}: the reference kept {len(STORE.references[s.name])} "
                                f"of {tokens} positions")  # fmt: skip
+    return continuation
+
+
+def compare(llm, samples: Sequence[Sample], arm_list: Sequence[Arm],
+            continuation: dict[str, list[int]], tokens: int,
+            progress=None) -> dict[str, dict[str, dict]]:  # fmt: skip
+    """Phase 2: every arm teacher-forced on the reference's continuation, its distributions
+    compared with the reference's at each position."""
+    from obcache_vllm.evidence.forcing import forced_params
+
     requests, params, keys = [], [], []
     for arm in arm_list:
         for s in samples:
@@ -723,16 +749,34 @@ def main(args) -> int:
         samples, per_request = got.pop("samples"), got.pop("per_request")
         extra = got  # the estimate's label
     else:
+        import gc
+
         from vllm import LLM
 
-        llm = LLM(model=args.model, dtype="float32", enforce_eager=True, block_size=32, seed=0,
-                  max_model_len=args.prompt_tokens + args.tokens + 64,
-                  max_num_seqs=args.max_batch, max_num_batched_tokens=args.chunk,
-                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                  logits_processors=[FIDELITY_FQCN], logprobs_mode="raw_logprobs")  # fmt: skip
-        samples = samples_with(greedy_replies(llm))
-        print(f"fidelity: {len(samples)} prompts x {len(arm_list)} arms", file=sys.stderr)
-        per_request = run(llm, samples, arm_list, args.tokens, progress=True)
+        def engine(kv_cache_dtype: str):
+            return LLM(model=args.model, dtype="float32", enforce_eager=True, block_size=32,
+                       seed=0, max_model_len=args.prompt_tokens + args.tokens + 64,
+                       max_num_seqs=args.max_batch, max_num_batched_tokens=args.chunk,
+                       kv_cache_dtype=kv_cache_dtype, logits_processors=[FIDELITY_FQCN],
+                       logprobs_mode="raw_logprobs")  # fmt: skip
+
+        dtype = getattr(args, "kv_cache_dtype", "auto")
+        ref_dtype = getattr(args, "reference_kv_cache_dtype", None) or dtype
+        if ref_dtype != dtype:  # the reference first, in an engine of its own
+            ref_llm = engine(ref_dtype)
+            samples = samples_with(greedy_replies(ref_llm))
+            print(f"fidelity: the {ref_dtype} cache's reference", file=sys.stderr)
+            continuation = reference(ref_llm, samples, args.tokens)
+            del ref_llm
+            gc.collect()
+            llm = engine(dtype)
+            print(f"fidelity: {len(samples)} prompts x {len(arm_list)} arms", file=sys.stderr)
+            per_request = compare(llm, samples, arm_list, continuation, args.tokens, True)
+        else:
+            llm = engine(dtype)
+            samples = samples_with(greedy_replies(llm))
+            print(f"fidelity: {len(samples)} prompts x {len(arm_list)} arms", file=sys.stderr)
+            per_request = run(llm, samples, arm_list, args.tokens, progress=True)
         if args.check_topk:
             from obcache_vllm.evidence import fidelity_topk
 
@@ -748,6 +792,8 @@ def main(args) -> int:
         "seconds": time.time() - start,
         "kinds": ",".join(args.kinds),
         "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
+        "reference_kv_cache_dtype": (getattr(args, "reference_kv_cache_dtype", None)
+                                     or getattr(args, "kv_cache_dtype", "auto")),
         "prompt_tokens": args.prompt_tokens,
         "question_tokens": args.question_tokens,
         "tokens": args.tokens,

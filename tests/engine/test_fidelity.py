@@ -139,3 +139,26 @@ def test_chats_are_written_by_the_model_and_measured(engine, tokenizer):
     got = result[arms[1].name][sample.name]
     assert got["usage"]["evictions"] >= 1 and got["usage"]["compress_at"] == sample.point
     assert got["kept_fraction"] < 0.6
+
+
+def test_a_reference_from_another_kv_cache_dtype_measures_that_cache_itself(tmp_path):
+    """``--reference-kv-cache-dtype auto`` with ``--kv-cache-dtype fp8``: the reference (its
+    continuation and distributions) from an fp32 engine, every arm on an fp8 one, so the
+    ``full`` arm measures what the fp8 cache alone costs (above zero, small: its argmax is the
+    reference's almost everywhere). A reference taken from the fp8 engine would give it 0."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "fid"
+    cmd = [sys.executable, "-m", "obcache_vllm.cli", "eval", "fidelity", "--kinds", "code",
+           "--samples", "2", "--prompt-tokens", "400", "--tokens", "8", "--pipelines", "tova",
+           "--scorers", "obcache_key", "--budgets", "0.25", "--kv-cache-dtype", "fp8",
+           "--reference-kv-cache-dtype", "auto", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "fidelity.json").read_text())
+    assert (results["kv_cache_dtype"], results["reference_kv_cache_dtype"]) == ("fp8", "auto")
+    full = results["per_request"]["full"]
+    assert all(0 < r["kl"] < 0.5 and r["agree"] >= 0.5 for r in full.values()), full
+    assert "the `auto` KV cache's" in (out / "fidelity.md").read_text()

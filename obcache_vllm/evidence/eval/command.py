@@ -147,6 +147,10 @@ def _fidelity_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="the in-process engine's --kv-cache-dtype (e.g. fp8): every arm and the "
                    "full-cache reference run on that cache")
+    p.add_argument("--reference-kv-cache-dtype", default=None, metavar="DTYPE",
+                   help="the full-cache reference (its greedy continuation and distributions) "
+                   "from an engine with this --kv-cache-dtype instead, e.g. auto with "
+                   "--kv-cache-dtype fp8: what the fp8 cache costs, with and without a budget")
     p.add_argument("--out", type=Path, default=Path("results/fidelity"))
     p.add_argument("--report-only", type=Path, default=None,
                    help="re-render the report from a fidelity.json")
