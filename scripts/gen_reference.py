@@ -1,6 +1,7 @@
 """Write the reference pages from the code: docs/reference/cli.md (the command's argument
 parsers), docs/reference/_options.md (the options table, a snippet of the user guide),
-docs/reference/_seams.md (the seam registry, a snippet of the contributing guide) and
+docs/reference/_seams.md (the seam registry, a snippet of the contributing guide),
+docs/reference/_refusal_matrix.md (which pairs of options a request may combine) and
 docs/reference/rest.md (the kv_* request fields of ``obcache_vllm.options``, their
 built-in and shipped defaults, the ``usage.obcache`` keys of
 ``obcache_vllm.eviction.ledger.USAGE_FIELDS``, the config endpoint).
@@ -21,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {name: ROOT / "docs" / "reference" / f"{name}.md"
-         for name in ("cli", "rest", "_options", "_seams")}  # fmt: skip
+         for name in ("cli", "rest", "_options", "_seams", "_refusal_matrix")}  # fmt: skip
 
 HEADER = """# Command-line reference
 
@@ -183,9 +184,70 @@ def render_seams() -> str:
     return "".join(out)
 
 
+# The option pairs of the refusal matrix: each pipeline, and each option that changes when or
+# how often a request evicts or what it reuses, with a value that turns it on.
+MATRIX_PIPELINES = ("snapkv", "tova", "h2o", "streaming", "adakv")
+MATRIX_OPTIONS = {
+    "kv_decode": {"kv_decode": True},
+    "kv_prefill_evict": {"kv_prefill_evict": True},
+    "kv_compress_at": {"kv_compress_at": 600},
+    'kv_compress_at: "auto"': {"kv_compress_at": "auto"},
+    "kv_session": {"kv_session": True},
+    'kv_when: "pressure"': {"kv_when": "pressure"},
+    "error target": {"kv_budget": {"max_error": 0.01}},
+}
+
+
+def refusal_matrix() -> dict[tuple[str, str], str | None]:
+    """Every pair of :data:`MATRIX_PIPELINES` x :data:`MATRIX_OPTIONS` and of two options, on a
+    1,000-token prompt with ``kv_budget: 128`` (and ``kv_scorer: attn``, which every pipeline
+    and an error target take): None where a request may combine them, else the field its 400
+    names."""
+    from obcache_vllm.options import KvOptionsError, parse_kv_options
+
+    names = list(MATRIX_OPTIONS)
+    pairs = [(f"kv_pipeline: {p}", o) for p in MATRIX_PIPELINES for o in names]
+    pairs += [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+              if not (a.startswith("kv_compress_at") and b.startswith("kv_compress_at"))]
+    out: dict[tuple[str, str], str | None] = {}
+    for a, b in pairs:
+        fields = {"kv_budget": 128, "kv_scorer": "attn"}
+        for name in (a, b):
+            if name.startswith("kv_pipeline: "):
+                fields["kv_pipeline"] = name.removeprefix("kv_pipeline: ")
+            else:
+                fields.update(MATRIX_OPTIONS[name])
+        try:
+            parse_kv_options(fields, 1000)
+            out[(a, b)] = None
+        except KvOptionsError as exc:
+            out[(a, b)] = exc.field
+    return out
+
+
+def render_refusal_matrix() -> str:
+    """The refusal matrix as a table (rows: pipelines and options; columns: options), and how
+    many pairs are refused: the snippet docs/reference/_refusal_matrix.md."""
+    cells = refusal_matrix()
+    names = list(MATRIX_OPTIONS)
+    rows = [f"kv_pipeline: {p}" for p in MATRIX_PIPELINES] + names[:-1]
+    refused = sum(v is not None for v in cells.values())
+    out = [f"{refused} of {len(cells)} pairs refused (✓: served together; otherwise the field "
+           "the 400 names).\n\n",
+           "| | " + " | ".join(f"`{n}`" for n in names) + " |\n",
+           "| --- |" + " --- |" * len(names) + "\n"]  # fmt: skip
+    for row in rows:
+        line = [f"`{row}`"]
+        for col in names:
+            cell = cells.get((row, col))
+            line.append(("✓" if cell is None else f"`{cell}`") if (row, col) in cells else "")
+        out.append("| " + " | ".join(line) + " |\n")
+    return "".join(out)
+
+
 def main() -> int:
     texts = {"cli": render_cli(), "rest": render_rest(), "_options": render_options(),
-             "_seams": render_seams()}
+             "_seams": render_seams(), "_refusal_matrix": render_refusal_matrix()}
     stale = [p for name, p in PAGES.items() if not p.is_file() or p.read_text() != texts[name]]
     if "--check" in sys.argv[1:]:
         for page in stale:

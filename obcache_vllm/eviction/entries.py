@@ -74,7 +74,8 @@ class Entry:
     the token hash of a stock block a session kept uncompressed). ``depth`` counts the
     session turns behind a session entry (1 for a first turn). ``donor`` is the request
     whose KV it holds and ``source_ids`` the donor's blocks it was made from (the KV oracle,
-    :mod:`obcache_vllm.eviction.oracle`, compares the three).
+    :mod:`obcache_vllm.eviction.oracle`, compares the three). ``chosen``: for a donor with an
+    error target, the count it chose and its estimated error (reported again on adoption).
     """
 
     key: EntryKey
@@ -86,6 +87,7 @@ class Entry:
     kept_prompt: int | None = None
     donor: str | None = None
     source_ids: tuple[int, ...] = ()
+    chosen: tuple[int, float] | None = None
 
     @property
     def tokens(self) -> int:

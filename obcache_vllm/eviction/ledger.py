@@ -63,7 +63,8 @@ class CacheStart:
     kind of a compressed entry it adopted (``"compress_at"``, ``"session"``: ``tokens``
     logical tokens, ``dead`` head blocks null, ``kept_prompt`` of its tokens kept by its
     eviction, ``depth`` session turns behind it, ``entry_id`` and ``donor``: the entry and
-    the request whose KV it holds).
+    the request whose KV it holds, ``chosen``: an error target's choice the entry was
+    compressed to, its count and estimated error).
     """
 
     kind: str
@@ -73,6 +74,7 @@ class CacheStart:
     kept_prompt: int | None = None
     entry_id: int | None = None
     donor: str | None = None
+    chosen: tuple[int, float] | None = None
 
     @property
     def compressed(self) -> bool:
@@ -191,8 +193,8 @@ class RequestBlocks:
         """The options an entry of ``kind`` must share with it: those that shape its cache."""
         o = self.options
         shape = (o.scorer, o.pipeline, o.window, o.recent, o.sinks, o.per_head)
-        if kind == "compress_at":
-            return (o.budget, o.compress_at, *shape)
+        if kind == "compress_at":  # an error target's floor is not a fixed budget's count
+            return (o.budget, o.max_error, o.compress_at, *shape)
         return (o.requested_budget, o.decode, *shape)
 
     def exact_hit(self, hit_tokens: int) -> int:
@@ -363,6 +365,7 @@ class RequestBlocks:
             self.dead = 0
             self.past_point = False
             self.kept_prompt = None
+            self.chosen = None
             self.start = None
 
     def adopt(self, start: CacheStart) -> None:
@@ -373,6 +376,8 @@ class RequestBlocks:
             self.past_point = start.tokens >= self.point
             if start.kept_prompt is not None:  # until an eviction of its own prompt
                 self.kept_prompt = start.kept_prompt + self.prompt_len - start.tokens
+            if start.chosen is not None:  # the target's choice the adopted cache was made to
+                self.chosen = start.chosen
 
     def peak_blocks(self, max_tokens: int, chunk: int) -> int:
         """Worst-case blocks of the request over its life (see ``planning.peak_blocks``)."""

@@ -211,3 +211,105 @@ def test_a_target_that_keeps_everything_writes_nothing(engine, docs) -> None:
     (reader,) = engine.llm.generate([{"prompt_token_ids": ids}], _params(None), use_tqdm=False)
     assert list(reader.outputs[0].token_ids) == list(stock_alone.outputs[0].token_ids)
     assert engine.llm.reset_prefix_cache() and engine.free_blocks() == POOL_BLOCKS - 1
+
+
+# -- with kv_compress_at: compress once to a stated quality, reuse -----------------------------
+
+
+def _generate(engine, ids, kv):
+    (out,) = engine.llm.generate([{"prompt_token_ids": ids}], _params(kv), use_tqdm=False)
+    return out
+
+
+def test_a_target_at_a_compress_point_is_the_fixed_budget_it_chose_and_is_reused(
+    engine, docs, tokenizer, model_path
+) -> None:
+    """``kv_compress_at`` = the document's length: the target chooses its count on the
+    document alone (its window is the document's last queries) and keeps exactly what
+    ``kv_budget`` = that count keeps there (positions in every layer and KV head, tokens),
+    which is the HF reference's selection and greedy continuation. The compressed document
+    is left as an entry: the same document with another question and the same target adopts
+    it (its choice and estimated error reported again) and continues as the fixed budget
+    computed afresh does. A fixed budget of the target's floor at the same point neither
+    adopts the target's entry nor leaves one the target adopts (the target's key holds its
+    ``max_error``)."""
+    import torch
+
+    from obcache_vllm.evidence import hf_reference as ref
+    from obcache_vllm.options import parse_kv_options
+
+    doc = docs["dense"]
+    point = len(doc)
+    q1 = doc + tokenizer(" Question: what was said about the river? Answer:").input_ids
+    q2 = doc + tokenizer(" Another question: who spoke first? Answer:").input_ids
+    target = _target(0.01, kv_compress_at=point)
+    records = engine.runner.obcache.records
+    before = set(records)
+    (t1,) = _run(engine, [(q1, target)])
+    kv = _outcome(t1)
+    kept = kv["chosen_budget"]
+    assert kv["compress_at"] == point and kv["estimated_error"] <= 0.01
+    assert kept < point and kv["freed_blocks"] * BS == point - kept
+    mid = set(records)
+    fixed = {"kv_budget": kept, "kv_compress_at": point, **TOVA}
+    (f1,) = _run(engine, [(q1, fixed)])
+    assert list(t1.outputs[0].token_ids) == list(f1.outputs[0].token_ids)
+    (rec_t,) = [records[r] for r in mid - before]
+    (rec_f,) = [records[r] for r in set(records) - mid]
+    for layer in (k for k in rec_t if k.endswith(":positions")):
+        assert rec_t[layer].equal(rec_f[layer]), layer
+
+    # The HF reference: the document prefilled, the fixed budget selected there, the question
+    # computed on the compressed cache, greedy decoding.
+    model, _ = ref.load_model(model_path)
+    state = ref.prefill(model, torch.tensor(doc), query_window=-1)
+    _, want = ref.select_kept(state, parse_kv_options(fixed, len(q1)), BS)
+    tokens, _ = ref.generate(model, state, want, 8, rest=torch.tensor(q1[point:]))
+    assert list(t1.outputs[0].token_ids) == tokens
+    for index, rows in want.items():
+        name = next(k for k in rec_t if k.endswith(":positions") and f"layers.{index}." in k)
+        assert rec_t[name].sort(dim=-1).values.equal(rows.sort(dim=-1).values), index
+
+    (f2,) = _run(engine, [(q2, fixed)])  # the second question on a cache computed afresh
+    assert "reused_tokens" not in _outcome(f2)
+    engine.llm.reset_prefix_cache()
+    first = _generate(engine, q1, target)
+    floor = _generate(engine, q2, {"kv_budget": kv["budget_floor"], "kv_compress_at": point,
+                                   **TOVA})  # fmt: skip
+    assert "reused_tokens" not in _outcome(floor)  # not the target's entry
+    again = _generate(engine, q2, target)
+    got = _outcome(again)
+    assert got["reused_tokens"] == point and got["reused_from"] == "compress_at", got
+    assert (got["chosen_budget"], got["estimated_error"]) == (kept, kv["estimated_error"])
+    assert got["evictions"] == 0 and list(again.outputs[0].token_ids) == list(
+        f2.outputs[0].token_ids)
+    assert list(first.outputs[0].token_ids) == list(t1.outputs[0].token_ids)
+    assert engine.llm.reset_prefix_cache() and engine.free_blocks() == POOL_BLOCKS - 1
+
+
+def test_targets_at_compress_points_in_flight_together_get_what_they_get_alone(
+    engine, docs, tokenizer
+) -> None:
+    """Two targets on one document (the second may adopt the first's entry only once it
+    exists), a looser target and a fixed budget at the same point, and a stock request, in
+    the same steps: each gets its tokens, and each target its choice, from a run of its own."""
+    doc = docs["dense"]
+    point = len(doc)
+    qs = [doc + tokenizer(f" Question {i}: what came next? Answer:").input_ids for i in range(3)]
+    batch = [
+        (qs[0], _target(0.01, kv_compress_at=point)),
+        (qs[1], _target(0.01, kv_compress_at=point)),
+        (qs[2], _target(0.05, kv_compress_at=point)),
+        (qs[1], {"kv_budget": 21, "kv_compress_at": point, **TOVA}),
+        (docs["redundant"], _target(0.01, kv_compress_at=300)),
+        (qs[2], None),
+    ]
+    together = _run(engine, batch)
+    for (ids, kv), out in zip(batch, together, strict=True):
+        (alone,) = _run(engine, [(ids, kv)])
+        assert list(out.outputs[0].token_ids) == list(alone.outputs[0].token_ids), kv
+        if kv is not None and "max_error" in str(kv):
+            got, want = _outcome(out), _outcome(alone)
+            assert got["chosen_budget"] == want["chosen_budget"], kv
+            assert got["estimated_error"] == pytest.approx(want["estimated_error"], rel=1e-5,
+                                                           abs=1e-9)  # fmt: skip

@@ -180,13 +180,22 @@ def test_a_target_resolves_to_its_floor_and_travels_as_scalars():
     assert parse_kv_options({"kv_budget": {"max_error": 0.5, "min": 300}}, 1000).budget == 300
 
 
+def test_a_target_takes_a_compress_point():
+    """The target chooses its count at the point (tests/engine/test_error_target.py); its key
+    for the compressed cache it leaves holds its max_error (a fixed budget of its floor at
+    the same point is another cache)."""
+    opts = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_compress_at": 500}, 1000)
+    assert (opts.compress_at, opts.budget, opts.max_error) == (500, 21, 0.1)
+    auto = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_compress_at": "auto"}, 1000)
+    assert auto.compress_at is None and not auto.session  # never a session: no point seen
+
+
 @pytest.mark.parametrize(
     ("fields", "why"),
     [
         ({"kv_pipeline": "streaming"}, "no scored queries"),
         ({"kv_pipeline": "h2o"}, "share of attention"),
         ({"kv_decode": True}, "kv_decode"),
-        ({"kv_compress_at": 500}, "kv_compress_at"),
         ({"kv_session": True}, "kv_session"),
         ({"kv_prefill_evict": True}, "kv_prefill_evict"),
         ({"kv_when": "pressure"}, "kv_when"),

@@ -371,3 +371,24 @@ def test_a_repeated_prompt_is_served_from_its_first_sightings_cache_exactly():
         assert r.outcome.get("compress_at") == 149 and r.tokens == first.tokens
     counts = sim.scheduler.obcache_prefix.counts
     assert counts[("compress_at", "hit")] == 2 and counts[("compress_at", "created")] == 1
+
+
+def test_a_target_at_a_compress_point_and_a_fixed_budget_of_its_floor_keep_apart():
+    """An error target at ``kv_compress_at`` leaves its compressed document as an entry that a
+    later request with the same target adopts (its choice reported again); a fixed budget
+    equal to the target's floor, at the same point with the same options, neither adopts it
+    nor leaves an entry the target adopts: the entry key holds ``max_error``."""
+    common = (("kv_compress_at", 96), ("kv_pipeline", "tova"), ("kv_scorer", "attn"))
+    target = (("kv_budget", {"max_error": 0.2, "min": 40}), *common)
+    fixed = (("kv_budget", 40), *common)
+    config = SimConfig(num_blocks=40, max_batched_tokens=48, share=0.25, share_max=0.75)
+    ops = (Add(1, 0, 150, 0, 6, target), Step(20), Add(2, 0, 150, 1, 6, fixed), Step(20),
+           Add(3, 0, 150, 2, 6, target), Step(20), Add(4, 0, 150, 3, 6, fixed), Step(20))
+    sim = assert_clean(Case(config, ops))
+    r1, r2, r3, r4 = (sim.results[f"r{i}"].outcome for i in range(1, 5))
+    assert "chosen_budget" in r1 and "reused_from" not in r1, r1
+    assert "reused_from" not in r2, r2  # not the target's cache
+    assert r3.get("reused_from") == "compress_at", r3
+    assert (r3["chosen_budget"], r3["estimated_error"]) == (r1["chosen_budget"],
+                                                            r1["estimated_error"])
+    assert r4.get("reused_from") == "compress_at" and "chosen_budget" not in r4, r4

@@ -252,7 +252,7 @@ class PrefixAdapter:
         hit = [self.pool.null_block] * entry.dead + [self.pool.blocks[b] for b in entry.block_ids]
         blocks.adopt(CacheStart(kind, entry.tokens, entry.dead, depth=entry.depth,
                                 kept_prompt=entry.kept_prompt, entry_id=entry.entry_id,
-                                donor=entry.donor))  # fmt: skip
+                                donor=entry.donor, chosen=entry.chosen))  # fmt: skip
         full = entry.tokens // self.block_size
         copies = sum(1 for i in blocks.copy_on_write(full) if i >= entry.dead)
         copies += 1 if entry.tokens % self.block_size else 0  # vLLM copies a partial last block
@@ -371,6 +371,7 @@ class PrefixAdapter:
             kept_prompt=tokens - blocks.dead * self.block_size,
             donor=request.request_id,
             source_ids=tuple(b.block_id for b in src),
+            chosen=blocks.chosen,
         )
         for block in dst:
             self._copying[block.block_id] = entry

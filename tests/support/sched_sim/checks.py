@@ -14,8 +14,10 @@ Safety
   * ``fault`` / ``oracle``: obcache-vllm counted no contained fault and its KV oracle no
     mismatch (the harness injects none: each one is a defect it found);
   * ``options`` (:func:`check_admitted`): what admission let through obeys the rules the
-    docs state (an error target never joins a session nor compresses early; ``"auto"``
+    docs state (an error target never joins a session; ``"auto"``
     chooses a compress point only for pipelines that leave and adopt entries);
+  * ``adopt_target``: a fixed budget adopts only a fixed budget's compressed context, an
+    error target only a target's (the entry key holds ``max_error``);
   * ``outcome``: no finished request reports a negative resident count;
   * ``tentative``: a tentative session entry becomes an ordinary one only when a request
     that adopts it (or the compressed prefix exposed on its blocks) is admitted;
@@ -57,7 +59,6 @@ def check_admitted(sim, req_id: str, fields: dict, options) -> None:
         return
     if options.max_error is not None:
         bad = [name for name, on in (("session", options.session),
-                                     ("compress_at", options.compress_at is not None),
                                      ("decode", options.decode),
                                      ("prefill_evict", options.prefill_evict),
                                      ("pressure", options.when != "always")) if on]  # fmt: skip
@@ -124,6 +125,13 @@ def _entries(sim, out) -> None:
         record = ledger.get(req_id)
         if record is not None and record.start is not None and record.start.entry_id:
             adopted.add(record.start.entry_id)
+            # a fixed budget adopts a fixed budget's cache, an error target a target's (whose
+            # entry carries its choice): the entry key holds max_error
+            target = record.options.max_error is not None
+            if record.start.kind == "compress_at" and target != (record.start.chosen is not None):
+                sim.worker.violate("adopt_target", f"{req_id} (max_error "
+                                   f"{record.options.max_error}) adopted entry "
+                                   f"{record.start.entry_id} (chosen {record.start.chosen})")
             # an entry on another's blocks (a first sighting's compressed prefix) is a read
             # of the entry that holds them
             adopted.add(sim.scheduler.obcache_prefix._holder.get(record.start.entry_id))

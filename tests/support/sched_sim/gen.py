@@ -79,7 +79,11 @@ def draw_profile(d: Draw, kind: str) -> dict[str, Any]:
         f["kv_decode"] = _flag(d, 50)
     elif kind == "target":
         f["kv_budget"] = {"max_error": d.pick((0.01, 0.2))}
+        if _flag(d, 50):  # a floor among the fixed budgets the other profiles draw
+            f["kv_budget"]["min"] = d.pick((24, 40, 64))
         f["kv_pipeline"] = d.pick(("snapkv", "tova"))
+        if _flag(d, 40):  # at a compress point: its cache is left and adopted as an entry
+            f["kv_compress_at"] = d.pick((64, 96, 160, -8, -24))
     elif kind == "adakv":
         f["kv_pipeline"] = "adakv"
     elif kind == "h2o":
