@@ -386,7 +386,6 @@ def _refuse_target(request: KvRequest) -> None:
                "kv_scorer attn or value_norm (or use snapkv or tova)")  # fmt: skip
     else:
         for name, value in (("kv_decode", request.decode or None),
-                            ("kv_session", request.session or None),
                             ("kv_prefill_evict", request.prefill_evict or None),
                             ("kv_when", None if request.when == "always" else request.when)):
             if value is not None:  # fmt: skip

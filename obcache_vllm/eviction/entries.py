@@ -75,7 +75,9 @@ class Entry:
     session turns behind a session entry (1 for a first turn). ``donor`` is the request
     whose KV it holds and ``source_ids`` the donor's blocks it was made from (the KV oracle,
     :mod:`obcache_vllm.eviction.oracle`, compares the three). ``chosen``: for a donor with an
-    error target, the count it chose and its estimated error (reported again on adoption).
+    error target, the count it chose and its estimated error (reported again on adoption);
+    ``error``: a session entry of an error target's, its estimated error against the
+    uncompressed conversation (the next turn chooses within what is left of the target).
     """
 
     key: EntryKey
@@ -88,6 +90,7 @@ class Entry:
     donor: str | None = None
     source_ids: tuple[int, ...] = ()
     chosen: tuple[int, float] | None = None
+    error: float | None = None
 
     @property
     def tokens(self) -> int:

@@ -42,6 +42,7 @@ verb                what it decides
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -64,7 +65,8 @@ class CacheStart:
     logical tokens, ``dead`` head blocks null, ``kept_prompt`` of its tokens kept by its
     eviction, ``depth`` session turns behind it, ``entry_id`` and ``donor``: the entry and
     the request whose KV it holds, ``chosen``: an error target's choice the entry was
-    compressed to, its count and estimated error).
+    compressed to, its count and estimated error; ``error``: a session entry of an error
+    target's, its cache's estimated error against the uncompressed conversation).
     """
 
     kind: str
@@ -75,6 +77,7 @@ class CacheStart:
     entry_id: int | None = None
     donor: str | None = None
     chosen: tuple[int, float] | None = None
+    error: float | None = None
 
     @property
     def compressed(self) -> bool:
@@ -283,8 +286,39 @@ class RequestBlocks:
         )
         self.past_point = self.past_point or final
         if order is not None and self.options.max_error is not None:
-            order = dataclasses.replace(order, max_error=self.options.max_error)
+            order = dataclasses.replace(order, max_error=self.error_allowance)
         return order
+
+    @property
+    def error_before(self) -> float:
+        """An error target's session turn: the estimated error its adopted cache already has
+        against the uncompressed conversation (0: the history was computed afresh)."""
+        start = self.start
+        if start is None or start.kind != "session" or start.error is None:
+            return 0.0
+        return start.error
+
+    @property
+    def error_allowance(self) -> float:
+        """The error this request's eviction may add, so that the conversation's estimate
+        stays within ``max_error``: the target itself for a cache computed afresh, else what
+        the triangle inequality leaves, ``(sqrt(max_error) - sqrt(error_before))**2`` (the
+        errors are relative squared norms of the window outputs; 0: keep everything)."""
+        target, before = self.options.max_error, self.error_before
+        if before == 0.0:
+            return target
+        return max(0.0, math.sqrt(target) - math.sqrt(before)) ** 2
+
+    @property
+    def conversation_error(self) -> float:
+        """The estimated error of its cache against the uncompressed conversation: its own
+        eviction's, added to the adopted cache's by the triangle inequality (an estimate:
+        each turn measures its eviction on its own window of queries)."""
+        before = self.error_before
+        mine = self.chosen[1] if self.chosen is not None else 0.0
+        if before == 0.0 or mine == 0.0:
+            return before + mine
+        return (math.sqrt(before) + math.sqrt(mine)) ** 2
 
     def pressure_order(self, logical_len: int) -> EvictionOrder | None:
         """The order a compression to its budget would give in a step ending at
@@ -419,6 +453,8 @@ class RequestBlocks:
             if self.chosen is not None:
                 outcome["chosen_budget"], outcome["estimated_error"] = self.chosen
                 outcome["budget"] = outcome["chosen_budget"]
+            if self.options.session:
+                outcome["conversation_error"] = self.conversation_error
         start = self.start
         if start is not None and not start.compressed:
             outcome["cached_tokens"] = start.tokens
@@ -459,6 +495,10 @@ USAGE_FIELDS: dict[str, str] = {
     "prompt's end (absent: no block could go, nothing was chosen)",
     "estimated_error": "an error target's estimate of its choice (mean over layers and KV "
     "heads; see Budgets by error target), at most `max_error`",
+    "conversation_error": "an error target with `kv_session`: the estimated error of the "
+    "cache this turn leaves against the uncompressed conversation (the continued cache's and "
+    "this turn's, added as norms), at most `max_error`: a turn chooses within what the earlier "
+    "turns left of the target",
     "scorer": "the scorer used",
     "pipeline": "the pipeline used",
     "compress_at": "where the prompt was compressed, when not at its end: the request's "

@@ -313,3 +313,35 @@ def test_targets_at_compress_points_in_flight_together_get_what_they_get_alone(
             assert got["chosen_budget"] == want["chosen_budget"], kv
             assert got["estimated_error"] == pytest.approx(want["estimated_error"], rel=1e-5,
                                                            abs=1e-9)  # fmt: skip
+
+
+def test_target_session_follow_ups_in_flight_together_get_what_they_get_alone(
+    engine, docs, tokenizer
+) -> None:
+    """Two follow-ups of one error-target session turn and a stock request in the same steps:
+    both continue the turn's cache, and each gets the tokens, the choice and the
+    conversation's estimate it gets alone."""
+    from vllm import SamplingParams
+
+    kv = _target(0.02, kv_session=True)
+    ids = docs["dense"]
+    (first,) = _run(engine, [(ids, kv)])
+    history = ids + list(first.outputs[0].token_ids)
+    follow = [history + tokenizer(q).input_ids for q in (" Which towns?", " What was traded?")]
+    batch = [(follow[0], kv), (follow[1], kv), (docs["redundant"], None)]
+    together = engine.llm.generate(
+        [{"prompt_token_ids": p} for p, _ in batch],
+        [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, extra_args=k)
+         for _, k in batch], use_tqdm=False)  # fmt: skip
+    for (prompt, k), out in zip(batch, together, strict=True):
+        (again,) = _run(engine, [(ids, kv)])  # the turn the follow-up continues, afresh
+        assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+        alone = _generate(engine, prompt, k)
+        assert list(out.outputs[0].token_ids) == list(alone.outputs[0].token_ids), k
+        if k is not None:
+            got, want = _outcome(out), _outcome(alone)
+            assert got["reused_from"] == want["reused_from"] == "session", got
+            assert got["chosen_budget"] == want["chosen_budget"], got
+            for key in ("estimated_error", "conversation_error"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
+    assert engine.llm.reset_prefix_cache() and engine.free_blocks() == POOL_BLOCKS - 1

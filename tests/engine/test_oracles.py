@@ -147,3 +147,42 @@ def test_decode_evicting_requests_preempted_by_the_pool_follow_the_recompute(
                                    prompt_len=len(prompt))  # fmt: skip
             assert run.token_ids == tokens[i][done:m], (i, done, m)
             done = m
+
+
+def test_an_error_target_session_equals_the_reference_at_the_counts_it_chose(
+    fresh, hf_model, tokenizer
+):
+    """``kv_session`` with an error target: each turn chooses its count within what the
+    earlier turns left of the target (``conversation_error``, the turns' errors added as
+    norms, never above ``max_error``), and is exactly the HF reference evicting at the counts
+    it chose, continuing its own cache from turn to turn. Once the target is spent, a turn
+    keeps everything (its estimate 0, the conversation's unchanged)."""
+    import math
+
+    from obcache_vllm.evidence import hf_reference as ref
+
+    target = 0.02
+    kv = {"kv_budget": {"max_error": target}, "kv_session": True, "kv_pipeline": "tova"}
+    prompt = tokenizer(haystack(14, seed=101)).input_ids
+    runs, previous, spent = [], None, 0.0
+    for turn in range(4):
+        (out,), (usage,), _ = generate(fresh, [prompt], kv, 12)
+        if turn:
+            assert usage["reused_from"] == "session" and usage["session_turn"] == turn + 1
+        mine = usage["estimated_error"]
+        want = (math.sqrt(spent) + math.sqrt(mine)) ** 2 if spent and mine else spent + mine
+        assert usage["conversation_error"] == pytest.approx(want, rel=1e-9, abs=1e-15)
+        assert spent <= usage["conversation_error"] <= target
+        spent = usage["conversation_error"]
+        fixed = {**kv, "kv_budget": usage["chosen_budget"]}
+        options = parse_kv_options(fixed, len(prompt))
+        previous = ref.run_evicting(hf_model, torch.tensor(prompt), options, BS, 12,
+                                    start=previous)  # fmt: skip
+        assert previous.token_ids == out, turn
+        runs.append(usage)
+        prompt = prompt + out + tokenizer(f" Question {turn}: which towns were named?").input_ids
+    assert runs[0]["chosen_budget"] < len(tokenizer(haystack(14, seed=101)).input_ids)
+    spent_out = [u for u in runs if u["estimated_error"] == 0.0]
+    assert spent_out, "the target must run out within four turns for this test to mean it"
+    for u in spent_out:  # kept everything: the continued cache and the turn's new tokens
+        assert u["evictions"] == 0 or u["evicted_tokens"] == 0, u

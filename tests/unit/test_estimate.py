@@ -180,7 +180,7 @@ def test_a_target_resolves_to_its_floor_and_travels_as_scalars():
     assert parse_kv_options({"kv_budget": {"max_error": 0.5, "min": 300}}, 1000).budget == 300
 
 
-def test_a_target_takes_a_compress_point():
+def test_a_target_takes_a_compress_point_and_a_session():
     """The target chooses its count at the point (tests/engine/test_error_target.py); its key
     for the compressed cache it leaves holds its max_error (a fixed budget of its floor at
     the same point is another cache)."""
@@ -188,6 +188,8 @@ def test_a_target_takes_a_compress_point():
     assert (opts.compress_at, opts.budget, opts.max_error) == (500, 21, 0.1)
     auto = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_compress_at": "auto"}, 1000)
     assert auto.compress_at is None and not auto.session  # never a session: no point seen
+    session = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_session": True}, 1000)
+    assert session.session and session.max_error == 0.1  # each turn within what is left
 
 
 @pytest.mark.parametrize(
@@ -196,7 +198,6 @@ def test_a_target_takes_a_compress_point():
         ({"kv_pipeline": "streaming"}, "no scored queries"),
         ({"kv_pipeline": "h2o"}, "share of attention"),
         ({"kv_decode": True}, "kv_decode"),
-        ({"kv_session": True}, "kv_session"),
         ({"kv_prefill_evict": True}, "kv_prefill_evict"),
         ({"kv_when": "pressure"}, "kv_when"),
     ],

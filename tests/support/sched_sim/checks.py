@@ -14,7 +14,8 @@ Safety
   * ``fault`` / ``oracle``: obcache-vllm counted no contained fault and its KV oracle no
     mismatch (the harness injects none: each one is a defect it found);
   * ``options`` (:func:`check_admitted`): what admission let through obeys the rules the
-    docs state (an error target never joins a session; ``"auto"``
+    docs state (an error target never evicts at decode steps, prefill chunks or under
+    pressure; ``"auto"``
     chooses a compress point only for pipelines that leave and adopt entries);
   * ``adopt_target``: a fixed budget adopts only a fixed budget's compressed context, an
     error target only a target's (the entry key holds ``max_error``);
@@ -58,8 +59,7 @@ def check_admitted(sim, req_id: str, fields: dict, options) -> None:
     if options is None:
         return
     if options.max_error is not None:
-        bad = [name for name, on in (("session", options.session),
-                                     ("decode", options.decode),
+        bad = [name for name, on in (("decode", options.decode),
                                      ("prefill_evict", options.prefill_evict),
                                      ("pressure", options.when != "always")) if on]  # fmt: skip
         if bad:
