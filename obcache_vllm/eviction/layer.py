@@ -41,6 +41,10 @@ class KvCacheView(Protocol):
     """
 
     block_size: int
+    # Whether this layer's attention reads per-head tables (the backend has per-head memory and
+    # the layer nothing that rules it out: ALiBi, attention sinks); only then is
+    # ``scatter_head_blocks`` called.
+    per_head_reads: bool
 
     def gather(self, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [R, Hkv, N, D] of slots ``[0, N)`` of each block row."""
@@ -156,7 +160,7 @@ def _compact_heads(plan, row: RowPlan, layer: str, view, blocks, keys, values, s
     head-blocks of the order's body (the layout of :mod:`obcache_vllm.eviction.heads`); the
     tail block stays as it is. ``keys``/``values`` [Hkv, N, D] are the resident tokens."""
     state, order, opts = row.state, row.order, row.state.options
-    if not getattr(view, "per_head_reads", False):  # before anything is written: contained
+    if not view.per_head_reads:  # before anything is written: contained
         raise NotImplementedError("this layer's attention cannot read per head (a backend "
                                   "without per-head memory, ALiBi or attention sinks)")  # fmt: skip
     bs = row.block_size

@@ -60,6 +60,12 @@ class Pipeline:
         if not isinstance(self.per_head, bool):
             raise ValueError(f"per_head must be a bool, got {self.per_head!r}")
 
+    def select_heads(self, scores: Tensor, *, tail: int, body_blocks: int, block_size: int,
+                     recent: int, sinks: int) -> list[Tensor]:  # fmt: skip
+        """A pipeline whose heads own their memory (``heads_own_memory``): each KV head's kept
+        indices, in whole head-blocks of the body and the ``tail`` whole."""
+        raise NotImplementedError(f"{self.name}: its heads share one layout (no select_heads)")
+
     @property
     def window(self) -> int | None:
         """How many LAST queries the pipeline wants at prefill; None = all of them."""

@@ -22,7 +22,7 @@ installs. What the rows do, in short:
   the front end with its admitted options in their wire form, or is refused with a 400. The
   refusals that depend on other processes' classes (the platform's attention adapter, the
   scheduler EngineCore builds) are bound here (:func:`~obcache_vllm.vllm_ext.frontend.
-  admission.bind`), so the front end imports neither.
+  admission.bind_platform`), so the front end imports neither.
 * ``SchedulerStats`` gains an ``obcache`` field (every process; see :mod:`.wire`).
 * vLLM's start-up check of the KV pool against ``max_model_len`` is relaxed as far as
   ``kv_prefill_evict`` makes safe (:mod:`~obcache_vllm.vllm_ext.engine.pool_check`), and
@@ -150,14 +150,19 @@ def install() -> bool:
     """
     serving = API_SERVER_MODULE in sys.modules
     _share_vllm_logging()
-    from obcache_vllm.vllm_ext.worker.backends import platform_backend, platform_refusal
+    from obcache_vllm.vllm_ext.worker.backends import (
+        platform_backend,
+        platform_capabilities,
+        platform_refusal,
+    )
 
     backend = platform_backend()
     check_compatibility(include_server=serving, backend=backend)
     if serving:
         install_api_server()
     seams.apply(serving=False, backend=backend)
-    admission.bind(platform=platform_refusal(), scheduler=scheduler_refusal)
+    admission.bind_platform(platform=platform_refusal(), scheduler=scheduler_refusal,
+                   capabilities=platform_capabilities())  # fmt: skip
     from obcache_vllm.eviction import faults
 
     if faults.enabled():  # test-only (OBCACHE_VLLM_FAULTS=1): see fault_hooks.py

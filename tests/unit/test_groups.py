@@ -21,6 +21,7 @@ from vllm.v1.kv_cache_interface import (
 from obcache_vllm.options import parse_kv_options
 from obcache_vllm.vllm_ext.frontend import admission
 from obcache_vllm.vllm_ext.groups import evicting_group, window_blocks
+from obcache_vllm.vllm_ext.worker.backends.refusals import CAPABILITIES
 
 HEAD = dict(num_kv_heads=1, head_size=256, dtype=torch.float32)
 
@@ -80,13 +81,19 @@ def test_global_layers_of_two_head_sizes_are_one_global_group_beside_windows():
     assert evicting_group(_config(_window(), uniform)).index == 1
 
 
+@pytest.fixture(autouse=True)
+def _capabilities(monkeypatch):
+    """The CPU adapter's capabilities bound, as ``install`` binds them (restored after)."""
+    monkeypatch.setitem(admission._bound, "capabilities", CAPABILITIES["cpu"])
+
+
 def _vllm_config(layer_types, window=512, disabled=False, device="cpu"):
+    admission._bound["capabilities"] = CAPABILITIES[device]  # the platform's adapter
     text = SimpleNamespace(layer_types=layer_types)
     model = SimpleNamespace(get_sliding_window=lambda: window, hf_text_config=text)
     return SimpleNamespace(model_config=model,
                            scheduler_config=SimpleNamespace(
-                               disable_hybrid_kv_cache_manager=disabled),
-                           device_config=SimpleNamespace(device_type=device))  # fmt: skip
+                               disable_hybrid_kv_cache_manager=disabled))  # fmt: skip
 
 
 GEMMA3 = ["sliding_attention"] * 5 + ["full_attention"]

@@ -125,14 +125,18 @@ def test_adakv_never_joins_a_session_of_its_own_accord():
     assert parse_kv_options({**BUDGET, "kv_pipeline": "adakv", "kv_compress_at": 300}, 500)
 
 
-def test_adakv_is_refused_where_per_head_memory_is_not_built():
+def test_adakv_is_refused_where_per_head_memory_is_not_built(monkeypatch):
+    """Admission reads the platform adapter's declared capabilities (bound by ``install``),
+    not the device type."""
     from types import SimpleNamespace
 
+    from obcache_vllm.vllm_ext.frontend import admission
     from obcache_vllm.vllm_ext.frontend.admission import _heads_memory_reason
+    from obcache_vllm.vllm_ext.worker.backends.refusals import CAPABILITIES
 
     def config(tp=1, device="cpu"):
-        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-                               device_config=SimpleNamespace(device_type=device))  # fmt: skip
+        monkeypatch.setitem(admission._bound, "capabilities", CAPABILITIES[device])
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
 
     ada = parse_kv_options({**BUDGET, "kv_pipeline": "adakv"}, 500)
     snap = parse_kv_options(BUDGET, 500)

@@ -30,7 +30,7 @@ pool smaller than the context can make one unservable).
 
 What the engine configuration refuses is decided from data: the generic checks below read
 ``vllm_config``; the platform's attention-backend adapter and the scheduler-class check are
-bound at install time (:func:`bind`), so this module imports no EngineCore or worker class.
+bound at install time (:func:`bind_platform`), so this module imports no EngineCore or worker class.
 
 Refused with a budget, and why:
 
@@ -102,14 +102,23 @@ from obcache_vllm.vllm_ext.frontend.capacity import capacity_error
 Refusal = Callable[[Any], "str | None"]
 
 # Bound at install time (obcache_vllm.vllm_ext.install): the platform adapter's refusals and
-# the check that EngineCore will build a scheduler that evicts.
-_bound: dict[str, Refusal] = {}
+# capabilities, and the check that EngineCore will build a scheduler that evicts.
+_bound: dict[str, Any] = {}
 
 
-def bind(*, platform: Refusal, scheduler: Refusal) -> None:
-    """Bind the refusals that depend on classes of other processes (called by ``install``)."""
+def bind_platform(*, platform: Refusal, scheduler: Refusal, capabilities=None) -> None:
+    """Bind what depends on classes of other processes (called by ``install``): the platform
+    adapter's refusal and its declared capabilities
+    (:class:`~obcache_vllm.vllm_ext.worker.backends.refusals.Capabilities`), and the
+    scheduler-class check."""
     _bound["platform"] = platform
     _bound["scheduler"] = scheduler
+    _bound["capabilities"] = capabilities
+
+
+def _capable(name: str) -> bool:
+    """Whether the bound platform adapter declares capability ``name`` (none when unbound)."""
+    return bool(getattr(_bound.get("capabilities"), name, False))
 
 
 @dataclass(frozen=True)
@@ -230,7 +239,7 @@ def _window_reason(vllm_config) -> str | None:
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         return ("a sliding-window model with the hybrid KV-cache manager disabled is not "
                 "supported with kv_budget (its window and global layers share one group)")
-    if vllm_config.device_config.device_type != "cpu":
+    if not _capable("several_groups"):
         # FLASH_ATTN shifts the batch's sequence lengths in place, and vLLM shares that tensor
         # between the groups: the sliding-window layers would read short rows.
         return ("sliding-window models are supported with kv_budget on vLLM's CPU attention "
@@ -302,7 +311,7 @@ def _heads_memory_reason(vllm_config, options) -> str | None:
     if vllm_config.parallel_config.tensor_parallel_size > 1:
         return (f"{name} is not supported with tensor parallelism yet (each rank would spread "
                 "its own KV heads' budget and report its own layout)")  # fmt: skip
-    if vllm_config.device_config.device_type != "cpu":
+    if not _capable("per_head_memory"):
         return (f"{name} needs per-head memory, built for vLLM's CPU attention backend only "
                 "(not FlashAttention yet)")  # fmt: skip
     return None

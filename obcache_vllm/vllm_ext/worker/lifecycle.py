@@ -34,6 +34,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -350,15 +351,33 @@ class WorkerEviction:
         return report
 
 
+class _DecodeBucket(NamedTuple):
+    """What decode rows batched together share (their scoring options and shapes)."""
+
+    scorer: str
+    pipeline: str
+    window: int
+    per_head: bool
+    recent: int
+    sinks: int
+    decode: bool
+    decode_mode: object
+    num_resident: int
+    queries: int
+    kept: object
+    shift: int
+
+
 def _group_decode_orders(
     rows: list[RowPlan], batch_shared: bool = True
 ) -> tuple[tuple[RowPlan, ...], tuple[RowGroup, ...]]:
-    """Group the decode rows that can be batched (see ``core._group_after_attention``): orders,
+    """Group the decode rows that can be batched (see
+    :func:`obcache_vllm.eviction.layer._group_after_attention`): orders,
     or stored decode queries to fold into the running scores (no order), with the same scoring
     options, resident count, query count, kept count and block shift; one
     ranking per layer only if ``batch_shared`` (not under tensor parallelism, where each row's
     ranking is all-reduced on its own). Rows of a group of two or more are marked ``grouped``."""
-    buckets: dict[tuple, list[int]] = {}
+    buckets: dict[_DecodeBucket, list[int]] = {}
     for i, r in enumerate(rows):
         if r.prefill or r.outcome.failure or (r.order is not None and r.order.pressure):
             continue
@@ -372,8 +391,9 @@ def _group_decode_orders(
         queries = 1 if r.decode_position is None else r.decode_position + 1
         kept, shift = (None, 0) if r.order is None else (
             r.order.kept, r.order.dead_after - r.order.dead_before)  # fmt: skip
-        key = (o.scorer, o.pipeline, o.window, o.per_head, o.recent, o.sinks, o.decode,
-               state.decode_mode, r.num_resident, queries, kept, shift)  # fmt: skip
+        key = _DecodeBucket(o.scorer, o.pipeline, o.window, o.per_head, o.recent, o.sinks,
+                            o.decode, state.decode_mode, r.num_resident, queries, kept,
+                            shift)  # fmt: skip
         buckets.setdefault(key, []).append(i)
     groups = []
     rows = list(rows)
@@ -382,5 +402,6 @@ def _group_decode_orders(
             continue
         for i in members:
             rows[i] = dataclasses.replace(rows[i], grouped=True)
-        groups.append(RowGroup(tuple(rows[i] for i in members), num_queries=key[9], shift=key[11]))
+        groups.append(RowGroup(tuple(rows[i] for i in members), num_queries=key.queries,
+                               shift=key.shift))  # fmt: skip
     return tuple(rows), tuple(groups)

@@ -37,7 +37,7 @@ from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
 from obcache_vllm.vllm_ext.frontend import admission
 from obcache_vllm.vllm_ext.install import scheduler_refusal
 from obcache_vllm.vllm_ext.wire import OUTCOME_KEY
-from obcache_vllm.vllm_ext.worker.backends import platform_refusal
+from obcache_vllm.vllm_ext.worker.backends import platform_capabilities, platform_refusal
 
 from . import checks
 from .worker import LAYER, SymbolicWorker, Violation
@@ -112,10 +112,12 @@ _bound = False
 
 def _bind_admission() -> None:
     """The refusals admission reads from other processes' classes (``install`` binds them in
-    a served process): the CPU platform's and the scheduler-class check."""
+    a served process): the CPU platform's refusal and capabilities, and the scheduler-class
+    check."""
     global _bound
     if not _bound:
-        admission.bind(platform=platform_refusal(), scheduler=scheduler_refusal)
+        admission.bind_platform(platform=platform_refusal(), scheduler=scheduler_refusal,
+                       capabilities=platform_capabilities())  # fmt: skip
         _bound = True
 
 

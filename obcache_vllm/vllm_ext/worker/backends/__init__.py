@@ -7,7 +7,8 @@
 
 The shared worker code never imports this package (an import-linter contract);
 :mod:`obcache_vllm.vllm_ext.install` asks the two functions below for the platform's backend
-name (the seam registry's ``backend`` column: which rows apply) and its refusals.
+name (the seam registry's ``backend`` column: which rows apply), its refusals and its
+capabilities.
 Importing this package imports nothing (the GPU kernels check imports ``.flash_attn_layout``
 without vLLM); :mod:`.refusals` holds what each adapter refuses, as plain functions.
 """
@@ -27,6 +28,14 @@ def platform_refusal():
     if current_platform.is_cuda():
         return refusals.flash_attn_refusal
     return refusals.unsupported_platform
+
+
+def platform_capabilities():
+    """What this platform's adapter serves beyond plain eviction (:data:`.refusals.CAPABILITIES`;
+    light, like :func:`platform_refusal`)."""
+    from obcache_vllm.vllm_ext.worker.backends import refusals
+
+    return refusals.CAPABILITIES[platform_backend()]
 
 
 def platform_backend() -> str:

@@ -42,6 +42,7 @@ from obcache_vllm.vllm_ext.worker.attention import (
     EvictingBuilderMixin,
     EvictingImplMixin,
 )
+from obcache_vllm.vllm_ext.worker.backends.refusals import CAPABILITIES, cpu_refusal
 from obcache_vllm.vllm_ext.worker.runner import EvictingRunnerMixin
 from obcache_vllm.vllm_ext.worker.seeded import SeededCpuSamplingMixin
 
@@ -254,7 +255,7 @@ def shift_block_table(
 
 class CpuAdapter(BackendAdapter):
     name = "CPU_ATTN"
-    per_head_memory = True
+    per_head_memory = CAPABILITIES["cpu"].per_head_memory
 
     def kv_view(self, kv_cache, layer, impl) -> CpuKvView:
         cache_dtype = str(impl.kv_cache_dtype)
@@ -293,7 +294,7 @@ class CpuAdapter(BackendAdapter):
 
     @staticmethod
     def unsupported_reason(vllm_config) -> str | None:
-        return None  # every CPU configuration the engine accepts (checked generically)
+        return cpu_refusal(vllm_config)
 
 
 ADAPTER = CpuAdapter()

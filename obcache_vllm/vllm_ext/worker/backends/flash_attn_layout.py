@@ -86,6 +86,8 @@ class FlashAttnKvView:
     ``kv_cache``: the logical [num_blocks, Hkv, bs, 2*D] view (any strides).
     """
 
+    per_head_reads = False  # FlashAttention's call reads one block table for every head
+
     def __init__(self, kv_cache: torch.Tensor, head_dim: int) -> None:
         if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_dim:
             raise ValueError(

@@ -1,11 +1,38 @@
 """What each attention backend's adapter refuses, from the engine configuration alone.
 
-Plain functions of ``vllm_config`` (no vLLM or torch import): the API server calls them
-through :func:`obcache_vllm.vllm_ext.frontend.admission.bind`, without importing the worker's
+Plain functions of ``vllm_config`` (no vLLM or torch import), and each adapter's declared
+capabilities: the API server reads them through
+:func:`obcache_vllm.vllm_ext.frontend.admission.bind_platform`, without importing the worker's
 classes. The reasons of FLASH_ATTN are explained in :mod:`.flash_attn`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an adapter serves beyond plain eviction, declared once here (its class reads its
+    row, admission reads the platform's; neither decides by device type).
+
+    ``per_head_memory``: a pipeline whose KV heads own their memory (adakv) can run (the
+    adapter implements ``head_reads`` / ``attend_per_head``). ``several_groups``: budgets on
+    a model with several KV-cache groups (Gemma 2 and 3: a global group evicts, sliding-window
+    groups run as stock); FlashAttention shifts the batch's sequence lengths in place, in a
+    tensor vLLM shares between the groups, so it cannot.
+    """
+
+    per_head_memory: bool = False
+    several_groups: bool = False
+
+
+# By seam-registry backend name (``platform_backend``: "cpu", "cuda", "none").
+CAPABILITIES: dict[str, Capabilities] = {
+    "cpu": Capabilities(per_head_memory=True, several_groups=True),
+    "cuda": Capabilities(),
+    "none": Capabilities(),
+}
 
 BACKEND_NAME = "FLASH_ATTN"
 KERNEL_BLOCK_MULTIPLE = 16  # FlashAttentionBackend.get_supported_kernel_block_sizes
