@@ -38,14 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from obcache_vllm import options
+from obcache_vllm import options, settings
 
-CONFIG_ENV = "OBCACHE_VLLM_CONFIG"
-ENV_PREFIX = "OBCACHE_KV_"
+CONFIG_ENV = settings.CONFIG
+ENV_PREFIX = settings.KV_PREFIX
 MIN_PROMPT_KEY = "min_prompt_tokens"  # policy: the default budget's smallest prompt
-MIN_PROMPT_ENV = "OBCACHE_MIN_PROMPT_TOKENS"
+MIN_PROMPT_ENV = settings.MIN_PROMPT_TOKENS
 COMPRESS_AT_KEY = "compress_at"  # policy: where the default budget compresses
-COMPRESS_AT_ENV = "OBCACHE_POLICY_COMPRESS_AT"
+COMPRESS_AT_ENV = settings.POLICY_COMPRESS_AT
 # The policy's own keys (beside the kv_* defaults): YAML key -> (environment variable, default).
 POLICY_KEYS: dict[str, tuple[str, Any]] = {
     MIN_PROMPT_KEY: (MIN_PROMPT_ENV, 0),
@@ -65,12 +65,12 @@ class ConfigError(ValueError):
 
 def env_name(field: str) -> str:
     """``kv_budget`` -> ``OBCACHE_KV_BUDGET``."""
-    return ENV_PREFIX + field.removeprefix("kv_").upper()
+    return settings.kv_name(field)
 
 
 def config_path(environ: Mapping[str, str]) -> Path | None:
     """The YAML file in effect, or None (built-in defaults only)."""
-    explicit = environ.get(CONFIG_ENV)
+    explicit = settings.value(CONFIG_ENV, environ)
     if explicit:
         return Path(explicit)
     return PACKAGED_CONFIG if PACKAGED_CONFIG.is_file() else None
@@ -178,16 +178,13 @@ def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = 
         validate_defaults(from_file, str(path))
         defaults.update(from_file)
     from_env: dict[str, Any] = {}
-    for field in options.WIRE_FIELDS:
-        raw = environ.get(env_name(field))
-        if raw is None:
-            continue
+    for field, raw in settings.kv_defaults(options.WIRE_FIELDS, environ).items():
         try:
             from_env[field] = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{env_name(field)}: cannot parse {raw!r}: {exc}") from exc
     for key, (env, empty) in POLICY_KEYS.items():
-        raw = environ.get(env)
+        raw = settings.value(env, environ)
         if raw is None:
             continue
         try:
@@ -222,9 +219,9 @@ def merge_request(defaults: Mapping[str, Any], requested: Mapping[str, Any]) -> 
     return merged
 
 
-ENTRY_SHARE_ENV = "OBCACHE_ENTRY_POOL_SHARE"
+ENTRY_SHARE_ENV = settings.ENTRY_POOL_SHARE
 DEFAULT_ENTRY_SHARE = 0.25
-ENTRY_SHARE_MAX_ENV = "OBCACHE_ENTRY_POOL_SHARE_MAX"
+ENTRY_SHARE_MAX_ENV = settings.ENTRY_POOL_SHARE_MAX
 # Measured (docs/evidence/sessions.md, prefix_caching.md): with least-recently-used victims,
 # 0.75 took shared documents from 1.71x to 1.98x stock but round-robin chats from 41 to 38
 # continued follow-ups of 44 (the least recently used entry is the next chat's); with victims
@@ -233,7 +230,7 @@ DEFAULT_ENTRY_SHARE_MAX = 0.75
 
 
 def _share(environ: Mapping[str, str], name: str, default: float) -> float:
-    raw = environ.get(name)
+    raw = settings.value(name, environ)
     if raw is None or raw == "":
         return default
     try:
@@ -272,7 +269,7 @@ def entry_pool_share_max(environ: Mapping[str, str] | None = None) -> float:
     return max(base, _share(environ, ENTRY_SHARE_MAX_ENV, DEFAULT_ENTRY_SHARE_MAX))
 
 
-ENTRY_VICTIMS_ENV = "OBCACHE_ENTRY_VICTIMS"
+ENTRY_VICTIMS_ENV = settings.ENTRY_VICTIMS
 
 
 def entry_victims(environ: Mapping[str, str] | None = None) -> str:
@@ -286,7 +283,7 @@ def entry_victims(environ: Mapping[str, str] | None = None) -> str:
     from obcache_vllm.eviction.entries import VICTIM_ORDERS
 
     environ = os.environ if environ is None else environ
-    raw = environ.get(ENTRY_VICTIMS_ENV) or VICTIM_ORDERS[0]
+    raw = settings.value(ENTRY_VICTIMS_ENV, environ) or VICTIM_ORDERS[0]
     if raw not in VICTIM_ORDERS:
         raise ConfigError(f"{ENTRY_VICTIMS_ENV}={raw!r}: must be one of {', '.join(VICTIM_ORDERS)}")
     return raw

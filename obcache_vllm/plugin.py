@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import os
 
-TRACE_ENV = "OBCACHE_VLLM_PLUGIN_TRACE"
+from obcache_vllm import settings
+
+TRACE_ENV = settings.PLUGIN_TRACE
 
 # pid of the process that ran register(); a forked child inherits the module state but has a
 # different pid, so it registers again.
@@ -60,7 +62,7 @@ def _process_name() -> str:
 
 
 def _trace(line: str) -> None:
-    path = os.environ.get(TRACE_ENV)
+    path = settings.value(TRACE_ENV)
     if not path:
         return
     # One short append per call: O_APPEND writes of a single line do not interleave.

@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from obcache_vllm import settings
+
 logger = logging.getLogger(__name__)
 
-FAULTS_ENV = "OBCACHE_VLLM_FAULTS"
+FAULTS_ENV = settings.FAULTS
 FAULT_ARG = "obcache_fault"
 STAGES = ("schedule", "desync", "score", "compact", "report", "adopt")
 
@@ -62,7 +63,7 @@ class Fault:
 @functools.cache
 def enabled() -> bool:
     """Whether this process honours ``obcache_fault`` (the environment, read once)."""
-    return os.environ.get(FAULTS_ENV) == "1"
+    return settings.flag(FAULTS_ENV)
 
 
 def requested(extra_args: Mapping[str, Any] | None) -> Fault | None:

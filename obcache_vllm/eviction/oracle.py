@@ -38,9 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
+from obcache_vllm import settings
 from obcache_vllm.eviction.copies import copies_reading_unwritten
 
-VERIFY_ENV = "OBCACHE_VLLM_VERIFY"
+VERIFY_ENV = settings.VERIFY
 _KEPT = 1024  # fingerprints of entries kept for later adopters (oldest dropped first)
 
 # layer -> (keys [Hkv, N, D], values [Hkv, N, D]) of a run of blocks: what a backend view reads.

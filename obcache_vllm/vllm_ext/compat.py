@@ -39,6 +39,8 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from obcache_vllm import settings
+
 STATUSES = ("ok", "params-changed", "missing", "moved")
 NOTES_MARKER = "<!-- notes: everything below this line is kept when the report is regenerated -->"
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -344,8 +346,7 @@ def check_tree(tree: Tree, tbl: dict[str, tuple] | None = None) -> list[Row]:
 
 def fetch_wheel(version: str, cache: Path | None = None) -> Path:
     """The vLLM ``version`` wheel in the cache, downloaded by pip when not there yet."""
-    home = os.environ.get("OBCACHE_VLLM_HOME") or Path.home() / ".cache" / "obcache-vllm"
-    cache = Path(home).expanduser() / "wheels" if cache is None else cache
+    cache = settings.home() / "wheels" if cache is None else cache
     cache.mkdir(parents=True, exist_ok=True)
     if not sorted(cache.glob(f"vllm-{version}-*.whl")):
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",

@@ -29,13 +29,13 @@ What reaches the API server (``usage.obcache``, metrics) is assembled by :mod:`.
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
+from obcache_vllm import settings
 from obcache_vllm.eviction.faults import InjectedFault
 from obcache_vllm.eviction.ledger import BlockLedger, RequestBlocks
 from obcache_vllm.eviction.messages import EvictionOrder
@@ -107,7 +107,7 @@ class OBCacheScheduler(Scheduler):
         # The KV oracle (OBCACHE_VLLM_VERIFY=1, eviction/oracle.py): each step tells the worker
         # which entries were made and which admitted requests adopted one; its mismatches are
         # counted faults, the latest kept here for readers (tests, the stress).
-        self.obcache_verify = os.environ.get(VERIFY_ENV) == "1"
+        self.obcache_verify = settings.flag(VERIFY_ENV)
         self.obcache_prefix.record_made = self.obcache_verify
         self.obcache_mismatches: deque = deque(maxlen=1024)
 

@@ -30,17 +30,16 @@ committing: only rank 0 reports.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from obcache_vllm import settings
 from obcache_vllm.eviction.messages import EvictionReport
 from obcache_vllm.vllm_ext.groups import evicting_group
 from obcache_vllm.vllm_ext.wire import REPORT_ATTR
 from obcache_vllm.vllm_ext.worker.attention import EvictingBuilderMixin
 from obcache_vllm.vllm_ext.worker.lifecycle import BatchRows, WorkerEviction
 
-RECORD_ENV = "OBCACHE_VLLM_RECORD_KEEP"
+RECORD_ENV = settings.RECORD_KEEP
 
 
 class EvictingRunnerMixin:
@@ -50,7 +49,7 @@ class EvictingRunnerMixin:
         super().__init__(*args, **kwargs)
         # Verification aid: kept positions per request and layer (OBCACHE_VLLM_RECORD_KEEP=1).
         self.obcache = WorkerEviction(self.cache_config.block_size,
-                                      records=os.environ.get(RECORD_ENV) == "1")  # fmt: skip
+                                      records=settings.flag(RECORD_ENV))  # fmt: skip
         self._obcache_output = None  # scheduler output of the step being executed
         self._obcache_layer_index: dict[str, int] | None = None
         self._obcache_group: int | None = None
