@@ -469,7 +469,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "kv_scorer", one_of(_scorer_names), "obcache_key", (str,),
         examples=_scorer_names,
         doc="token score: `obcache_key`, `obcache_value`, `obcache_joint` (OBCache), `attn`, "
-        "`value_norm`, `key_norm`, `random` (`obcache_vllm.scoring.SCORER_NAMES`)",
+        "`value_norm`, `dropkv` (the squared output change of evicting the token alone, "
+        "DropKV's), `key_norm`, `random` (`obcache_vllm.scoring.SCORER_NAMES`)",
     ),
     OptionSpec(
         "kv_pipeline", one_of(_pipeline_names), "snapkv", (str,),

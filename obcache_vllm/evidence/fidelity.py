@@ -77,7 +77,8 @@ def host_of(pipeline: str) -> str | None:
         return pipeline_class(pipeline).host
     except ValueError:
         return None
-SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint")
+SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint", "dropkv",
+           "random")  # the closest published rival (DropKV) and the floor beside the scores
 BOOTSTRAP = 2000
 CODE_MODULES = ("argparse", "json.decoder", "dataclasses", "inspect", "typing", "textwrap")
 BOOKS = ("Genesis", "Exodus", "Matthew", "Acts", "Isaiah", "Numbers", "John", "Luke")

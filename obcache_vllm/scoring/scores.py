@@ -15,6 +15,11 @@ OBCache (arXiv 2510.07651), with Y = A * Z and the identity |v - o|^2 = |v|^2 - 
   obcache_value  S[p] = sum_r A^2 |v_p|^2
   obcache_key    S[p] = sum_r Y^2 |v_p - o_r|^2
   obcache_joint  S[p] = sum_r |(A + Y) v_p - Y o_r|^2          (= value + key + cross term)
+
+The closest published rival, DropKV (kvpress PR #285, written here from its formula): evicting
+p alone renormalises the softmax over the rest, and o_r changes by exactly
+A/(1 - A) (o_r - v_p), so
+  dropkv         S[p] = sum_r (A / (1 - A))^2 |v_p - o_r|^2     (exact, one token at a time)
 """
 
 from __future__ import annotations
@@ -170,6 +175,30 @@ class ObcacheJoint(Scorer):
         return v_term.mul_(att.resident.value_sq).add_(o_term).sub_(cross, alpha=2.0)  # [Hkv, T]
 
 
+class DropKV(Scorer):
+    """DropKV: sum_r (A / (1 - A))^2 |v_p - o_r|^2, exactly |dO|_F^2 when p alone is evicted.
+
+    A token that holds all of a row's attention (``1 - A`` below the dtype's eps) would leave
+    that row nothing, and the formula is inf * 0 there (its value is the row's output): that
+    row adds 0, and the score stays finite. A token holding nearly all of it (an attention
+    sink at A = 0.999) weighs 10^6 times its distance.
+    """
+
+    name = "dropkv"
+
+    def from_attention(self, att: WindowAttention) -> Tensor:
+        out = att.outputs()  # [Hkv, R, D]
+        out_sq = out.square().sum(dim=-1, keepdim=True)  # [Hkv, R, 1]
+        dist = out_sq + att.resident.value_sq.unsqueeze(1)  # [Hkv, R, T]  |v_p - o_r|^2
+        dist.baddbmm_(out, att.resident.values.transpose(1, 2), alpha=-2.0)
+        probs = att.probs
+        rest = probs.neg().add_(1.0)  # [Hkv, R, T]  1 - A
+        saturated = rest < torch.finfo(probs.dtype).eps
+        weight = probs.div_(rest.masked_fill_(saturated, 1.0)).square_()  # (A / (1 - A))^2
+        weight.masked_fill_(saturated, 0.0)
+        return _sum_rows(weight.mul_(dist.clamp_min_(0.0)))  # [Hkv, T]
+
+
 class KeyNorm(Scorer):
     """-|k_p|_2 per KV head (query-free). Sign as kvpress KnormPress: LOW key norms are kept."""
 
@@ -215,6 +244,7 @@ _SCORERS: dict[str, type[Scorer]] = {
         ObcacheValue,
         ObcacheKey,
         ObcacheJoint,
+        DropKV,
         KeyNorm,
         RandomScore,
     )

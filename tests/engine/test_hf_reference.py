@@ -81,7 +81,7 @@ class Combo:
         return extra
 
 
-# Cost: one fp32 vLLM prefill per (combo, prompt), 44 prefills of ~700 tokens; HF prefills each
+# Cost: one fp32 vLLM prefill per (combo, prompt), 46 prefills of ~700 tokens; HF prefills each
 # prompt once (all queries kept) plus each context once for the one-eviction combos, and runs
 # each step-by-step combo's prompts on their own. The main combo has 20 prompts, the others 4
 # (with 4, the 90 % agreement bound needs every continuation identical). Also matched with 20
@@ -95,6 +95,8 @@ COMBOS = {
     "compress_at-snapkv-obcache_joint": Combo(
         {"kv_pipeline": "snapkv", "kv_scorer": "obcache_joint", "kv_window": 16}, 4, True
     ),
+    # The closest published rival's score (DropKV), in the pipeline it is published with.
+    "snapkv-dropkv": Combo({"kv_pipeline": "snapkv", "kv_scorer": "dropkv", "kv_window": 32}, 2),
     # The server's default pipeline (configs/default.yaml): tova, one ranking per layer.
     "tova-shared-obcache_key": Combo(
         {"kv_pipeline": "tova", "kv_scorer": "obcache_key", "kv_per_head": False}, 4

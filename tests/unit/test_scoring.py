@@ -19,7 +19,8 @@ pytestmark = [
 ]
 
 F64 = torch.float64
-ATTENTION_SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint")
+ATTENTION_SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint",
+                     "dropkv")  # fmt: skip
 OBCACHE_KINDS = ("obcache_value", "obcache_key", "obcache_joint")
 
 
@@ -117,6 +118,8 @@ def explicit_scores(kind, q, k, v, geom, q_pos, k_pos):
             term = a.square() * vals.square().sum(-1)[None]
         elif kind == "obcache_key":
             term = (a * z).square() * diff.square().sum(-1)
+        elif kind == "dropkv":
+            term = (a / (1 - a)).square() * diff.square().sum(-1)
         else:  # joint: |A (1 + Z) v_p - A Z o_i|^2
             term = (
                 ((a * (1 + z))[..., None] * vals[None] - (a * z)[..., None] * o[:, None])
@@ -188,6 +191,40 @@ def test_obcache_value_is_exact_output_change_of_zeroing_v(positions):
             assert got[kv, p].item() == pytest.approx(
                 delta.square().sum().item(), rel=1e-10, abs=1e-14
             )
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_dropkv_is_exact_output_change_of_evicting_one_token(positions):
+    """Each token's score is the window outputs' squared change when that token alone is
+    evicted (its key hidden, the softmax renormalised over the rest), summed over the rows and
+    the KV head's query heads."""
+    geom = HeadGeometry(9, 3, 16)
+    q, k, v, q_pos, k_pos, call_pos = case_inputs(geom, positions, seed=4)
+    got = make_scorer("dropkv")(q, k, v, geom, *call_pos)
+    base = attention_output(q, k, v, geom, q_pos, k_pos)
+    kp = k_pos if k_pos.dim() == 2 else k_pos.expand(geom.num_kv_heads, -1)
+    for kv in range(geom.num_kv_heads):
+        for p in range(k.shape[0]):
+            hidden = kp.clone()
+            hidden[kv, p] = 10**9  # after every query: never visible
+            cut = attention_output(q, k, v, geom, q_pos, hidden)
+            heads = slice(kv * geom.group, (kv + 1) * geom.group)
+            delta = (cut - base)[:, heads].nan_to_num()  # a row left with nothing: no output
+            assert got[kv, p].item() == pytest.approx(
+                delta.square().sum().item(), rel=1e-9, abs=1e-12
+            ), (kv, p)
+
+
+def test_dropkv_stays_finite_where_one_token_holds_a_rows_attention():
+    """A row whose only visible token holds all its attention (A = 1, the formula inf * 0)
+    adds nothing: the scores are the other rows' alone."""
+    geom = HeadGeometry(2, 1, 8)
+    q, k, v = make_inputs(geom, 2, 6, seed=9)
+    q_pos, k_pos = torch.tensor([0, 5]), torch.arange(6)  # query 0 sees token 0 alone
+    got = make_scorer("dropkv")(q, k, v, geom, q_pos, k_pos)
+    others = make_scorer("dropkv")(q[1:], k, v, geom, q_pos[1:], k_pos)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, others, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", [pytest.param(k, id=k) for k in ATTENTION_SCORERS])
@@ -268,6 +305,7 @@ def test_registry_names_and_errors():
         "obcache_value",
         "obcache_key",
         "obcache_joint",
+        "dropkv",
         "key_norm",
         "random",
     )

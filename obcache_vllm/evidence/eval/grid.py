@@ -12,7 +12,8 @@ from obcache_vllm.evidence.eval.cells import FULL, Cell, ranks, takes_window
 KVPRESS_PER_HEAD = {"snapkv": True, "h2o": True, "tova": False}
 
 PIPELINES = ("snapkv", "h2o", "tova", "streaming")
-SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint")
+SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint", "dropkv",
+           "random")  # the closest published rival (DropKV) and the floor beside the scores
 BUDGETS = (0.1, 0.2, 0.3, 0.5)
 EVICTION_SETTINGS = ("query_aware", "query_agnostic")
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from obcache_vllm.evidence.kernel_checks import Row, within
 from obcache_vllm.scoring import HeadGeometry, make_scorer, select_keep
 
-EXACT_SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint", "key_norm")
+EXACT_SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint", "dropkv",
+                 "key_norm")
 TIMED_SCORERS = ("attn", "obcache_value", "obcache_key", "obcache_joint")
 
 
