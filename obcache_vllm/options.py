@@ -741,8 +741,9 @@ class _RequestMethods:
         where its options allow a session (no position of its own in ``kv_compress_at``, no
         ``kv_prefill_evict``, ``kv_when: always``, a pipeline whose state fits in the cache).
         Elsewhere the id is vLLM's alone (routing, KV events) and the options stand: an
-        error target among them (a session's turn would estimate its error on a cache that
-        earlier turns compressed already, as an explicit ``kv_session`` is refused for)."""
+        error target among them (it takes ``kv_session: true`` explicitly, each turn choosing
+        within what the earlier turns left of the target; the id, and ``"auto"``'s
+        tentative sessions, stay out of it)."""
         return (
             not self.session
             and self.compress_at in (None, AUTO)
