@@ -673,7 +673,10 @@ class _RequestMethods:
             joined = dataclasses.replace(self, compress_at=None, session=True)
             return joined.resolve(num_prompt_tokens, max_model_len)
         if self.compress_at == AUTO:
-            if auto_session and _continues(self.pipeline):
+            # An error target's session is asked for explicitly (``kv_session``), never
+            # started by a continuation "auto" noticed (see joins_session).
+            if auto_session and _continues(self.pipeline) and not isinstance(self.budget,
+                                                                             ErrorTarget):
                 continued = dataclasses.replace(self, compress_at=None, session=True)
                 return continued.resolve(num_prompt_tokens, max_model_len)
             at = auto_point
@@ -758,7 +761,7 @@ class _RequestMethods:
         the sinks and recent tokens and evicts something."""
         tokens = self.budget
         if isinstance(tokens, ErrorTarget):
-            return False  # refused with kv_compress_at; never chosen for it
+            return False  # "auto" chooses no point for a target: it compresses whole
         if not isinstance(tokens, int):
             tokens = max(1, math.ceil(tokens * at))
         return self.sinks + self.recent < tokens < at

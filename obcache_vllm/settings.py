@@ -1,4 +1,6 @@
-"""Every ``OBCACHE_*`` environment variable: its name, and the one place it is read.
+"""Every ``OBCACHE_*`` environment variable the package reads: its name, and the one place it
+is read (the test and benchmark scripts' own, ``OBCACHE_TEST_CORES``,
+``OBCACHE_SUITE_LIMIT_MINUTES``, ``OBCACHE_STRESS_*``, are theirs).
 
 Other modules import the names from here and read through the functions below, each taking
 an optional ``environ`` mapping (tests, and the server command, which builds the served

@@ -178,13 +178,20 @@ class ObcacheJoint(Scorer):
 class DropKV(Scorer):
     """DropKV: sum_r (A / (1 - A))^2 |v_p - o_r|^2, exactly |dO|_F^2 when p alone is evicted.
 
-    A token that holds all of a row's attention (``1 - A`` below the dtype's eps) would leave
-    that row nothing, and the formula is inf * 0 there (its value is the row's output): that
-    row adds 0, and the score stays finite. A token holding nearly all of it (an attention
-    sink at A = 0.999) weighs 10^6 times its distance.
+    Computed in fp64 whatever the inputs (the result in their compute dtype): the weight
+    divides by ``1 - A``, and near A = 1 a float32 ``|v_p - o_r|^2`` is mostly rounding (about
+    10 % of it at ``1 - A = 1e-3``), which the weight then multiplies by up to 10^6. A token that
+    holds all of a row's attention (``1 - A`` below fp64's eps: in practice the row's only
+    visible token) would leave that row nothing, and the formula is inf * 0 there (its value is
+    the row's output): that row adds 0, and the score stays finite.
     """
 
     name = "dropkv"
+
+    def __call__(self, q, k, v, geom, q_pos=None, k_pos=None) -> Tensor:
+        wide = torch.float64
+        out = super().__call__(q.to(wide), k.to(wide), v.to(wide), geom, q_pos, k_pos)
+        return out.to(compute_dtype(q, k, v))
 
     def from_attention(self, att: WindowAttention) -> Tensor:
         out = att.outputs()  # [Hkv, R, D]

@@ -8,7 +8,7 @@ the ``.py`` files of a wheel (a zip) or a source tree with :mod:`ast` and import
     python -m obcache_vllm.vllm_ext.compat --vllm 0.33.0 [--wheel PATH] [--out DIR]
 
 Without ``--wheel``, ``pip download --no-deps vllm==VERSION`` fetches the wheel into
-``$OBCACHE_VLLM_HOME/wheels`` (else ``~/.cache/obcache-vllm/wheels``; reused when there). The
+``wheels/`` of the cache home (``$OBCACHE_VLLM_HOME``, as for models; reused when there). The
 installed vLLM's tree (found by ``importlib.util.find_spec``, which runs no vLLM code) is read
 too, for comparison. Writes ``DIR/compat-VERSION.md`` (each seam's status in both, where missing
 names moved; text below :data:`NOTES_MARKER` survives a rewrite) and ``.json``. Exit status 0

@@ -15,7 +15,7 @@ from obcache_vllm.eviction.layer import evict_after_attention, finish_deferred
 from obcache_vllm.eviction.messages import EvictionOrder
 from obcache_vllm.eviction.step import RequestKvState, RowPlan, StepPlan
 from obcache_vllm.evidence.kernel_checks.paged import write_slots
-from obcache_vllm.options import KvOptionsError, parse_kv_options
+from obcache_vllm.options import KvOptionsError, parse_kv_options, parse_request
 from obcache_vllm.scoring import HeadGeometry, estimate, select_keep
 from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
     FlashAttnKvView,
@@ -188,6 +188,9 @@ def test_a_target_takes_a_compress_point_and_a_session():
     assert (opts.compress_at, opts.budget, opts.max_error) == (500, 21, 0.1)
     auto = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_compress_at": "auto"}, 1000)
     assert auto.compress_at is None and not auto.session  # never a session: no point seen
+    request = parse_request({"kv_budget": {"max_error": 0.1}, "kv_compress_at": "auto"})
+    followed = request.resolve(1000, auto_point=600, auto_session=True)  # a chat's next turn
+    assert not followed.session and followed.compress_at is None  # whole, not a session
     session = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_session": True}, 1000)
     assert session.session and session.max_error == 0.1  # each turn within what is left
 

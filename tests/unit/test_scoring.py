@@ -227,6 +227,18 @@ def test_dropkv_stays_finite_where_one_token_holds_a_rows_attention():
     torch.testing.assert_close(got, others, rtol=1e-12, atol=1e-12)
 
 
+def test_dropkv_near_a_saturated_row_is_as_exact_from_float32_inputs():
+    """One token takes all but ~1e-4 of a row's attention: float32 inputs score as the fp64
+    computation does (a float32 computation's |v - o|^2 there is mostly rounding)."""
+    geom = HeadGeometry(1, 1, 8)
+    q, k, v = make_inputs(geom, 3, 12, seed=11)
+    k[0, 0] = q[-1, 0] * 2.0  # the last query's logit on token 0 towers over the rest
+    wide = make_scorer("dropkv")(q, k, v, geom)
+    narrow = make_scorer("dropkv")(q.float(), k.float(), v.float(), geom)
+    assert narrow.dtype == torch.float32
+    torch.testing.assert_close(narrow.double(), wide, rtol=1e-5, atol=0.0)
+
+
 @pytest.mark.parametrize("kind", [pytest.param(k, id=k) for k in ATTENTION_SCORERS])
 def test_gqa_score_is_sum_over_query_heads(kind):
     """A KV head's score == sum of the single-head scores of its G query heads."""

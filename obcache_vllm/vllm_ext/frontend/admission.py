@@ -106,7 +106,7 @@ Refusal = Callable[[Any], "str | None"]
 _bound: dict[str, Any] = {}
 
 
-def bind_platform(*, platform: Refusal, scheduler: Refusal, capabilities=None) -> None:
+def bind_platform(*, platform: Refusal, scheduler: Refusal, capabilities) -> None:
     """Bind what depends on classes of other processes (called by ``install``): the platform
     adapter's refusal and its declared capabilities
     (:class:`~obcache_vllm.vllm_ext.worker.backends.refusals.Capabilities`), and the
