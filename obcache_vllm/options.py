@@ -518,7 +518,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "`kv_session` (its final cache is kept for a next turn while the pool has room, and "
         "its compressed prompt for a repeat of it); the server policy's default budget "
         "uses it. With `h2o` or `adakv`, whose caches never become entries to share, "
-        '`"auto"` is the whole prompt. Unset: the whole prompt',
+        '`"auto"` is the whole prompt. On an engine that serves no session (speculative '
+        "decoding, Gemma 2/3's sliding-window layers, prefix caching off) it starts none: it "
+        "compresses at the shared prefix it chose, else the whole prompt. Unset: the whole "
+        "prompt",
     ),
     OptionSpec(
         "kv_per_head", boolean, True, (bool,), examples=(True, False),
@@ -651,6 +654,7 @@ class _RequestMethods:
         auto_point: int | None = None,
         auto_session: bool = False,
         session_id: str | None = None,
+        sessions: bool = True,
     ):
         """The options of this request on a prompt of ``num_prompt_tokens`` tokens.
 
@@ -663,7 +667,10 @@ class _RequestMethods:
         it may be a chat's first turn, so its final cache is left for a next turn, held only
         while the pool has room to spare. ``session_id``: vLLM's own session id of the
         request (body, ``X-Session-ID`` header or ``vllm_xargs``): the request takes part in
-        that session, as with ``kv_session`` (see :meth:`joins_session`).
+        that session, as with ``kv_session`` (see :meth:`joins_session`). ``sessions``: whether
+        the engine serves sessions at all (prefix caching on, no speculative decoding, one
+        KV-cache group to evict in); without, ``"auto"`` never starts one: it compresses at the
+        point it chose, else the whole prompt, instead of a session the engine would refuse.
 
         Raises:
             KvOptionsError: ``kv_compress_at`` past the prompt, a budget or window beyond the
@@ -675,8 +682,9 @@ class _RequestMethods:
         if self.compress_at == AUTO:
             # An error target's session is asked for explicitly (``kv_session``), never
             # started by a continuation "auto" noticed (see joins_session).
-            if auto_session and _continues(self.pipeline) and not isinstance(self.budget,
-                                                                             ErrorTarget):
+            if auto_session and sessions and _continues(self.pipeline) and not isinstance(
+                self.budget, ErrorTarget
+            ):
                 continued = dataclasses.replace(self, compress_at=None, session=True)
                 return continued.resolve(num_prompt_tokens, max_model_len)
             at = auto_point
@@ -684,7 +692,7 @@ class _RequestMethods:
                 at >= num_prompt_tokens or not self._room_at(at) or not _continues(self.pipeline)
             ):  # a point is worth compressing at only where the cache becomes an entry
                 at = None
-            if at is None and self.joins_session():
+            if at is None and sessions and self.joins_session():
                 # Compressed whole, as a tentative session: it may be a chat's first turn. At
                 # all but its last token where the budget leaves room there (see
                 # FIRST_POINT): a repeat of the prompt then adopts this cache.

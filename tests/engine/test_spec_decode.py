@@ -135,3 +135,24 @@ def test_decode_time_eviction_is_refused_with_drafts_and_why(runs):
         assert admission._speculative_refusal(config, options)[0] == field, extra
     for extra in PROMPT_END.values():
         assert admission._speculative_refusal(config, parse_kv_options(extra, 600, 2048)) is None
+
+
+def test_auto_starts_no_session_with_drafts(tokenizer, model_path):
+    """``kv_compress_at: "auto"`` (the server policy's default) on an engine with drafts: a
+    session is refused there, so "auto" must not start one the client never asked for. A
+    first sighting is compressed whole (no 400 naming ``kv_session``); an explicit
+    ``kv_session`` is still refused."""
+    context, question, _ = needle_parts(19, seed=900)
+    ids = tokenizer(context).input_ids + tokenizer(question, add_special_tokens=False).input_ids
+    auto = {"kv_budget": 128, "kv_pipeline": "tova", "kv_compress_at": "auto"}
+    requests = [
+        {"id": "auto", "prompt_token_ids": ids, "max_tokens": 8, "extra_args": auto},
+        {"id": "session", "prompt_token_ids": ids, "max_tokens": 8,
+         "extra_args": {"kv_budget": 128, "kv_pipeline": "tova", "kv_session": True}},
+    ]  # fmt: skip
+    engine = {"model": str(model_path), **ENGINE_KWARGS, "speculative_config": SPECULATIVE}
+    out = _run({"engine": engine, "requests": requests}, False, sorted(os.sched_getaffinity(0))[0])
+    got = out["results"]["auto"]
+    assert "error" not in got, got
+    assert got["obcache"]["freed_blocks"] > 0 and "compress_at" not in got["obcache"], got
+    assert out["results"]["session"].get("param") == "kv_session", out["results"]["session"]

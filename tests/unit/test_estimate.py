@@ -180,6 +180,17 @@ def test_a_target_resolves_to_its_floor_and_travels_as_scalars():
     assert parse_kv_options({"kv_budget": {"max_error": 0.5, "min": 300}}, 1000).budget == 300
 
 
+def test_auto_starts_no_session_where_the_engine_serves_none():
+    """Speculative decoding, an interleaved sliding-window model or prefix caching off: a
+    first sighting compresses whole and a continuation is not served as a session."""
+    request = parse_request({"kv_budget": 64, "kv_compress_at": "auto", "kv_pipeline": "tova"})
+    assert request.resolve(500).session  # a tentative session where sessions are served
+    first = request.resolve(500, sessions=False)
+    assert not first.session and not first.tentative and first.compress_at is None
+    follow = request.resolve(500, auto_point=256, auto_session=True, sessions=False)
+    assert not follow.session and follow.compress_at == 256
+
+
 def test_a_target_takes_a_compress_point_and_a_session():
     """The target chooses its count at the point (tests/engine/test_error_target.py); its key
     for the compressed cache it leaves holds its max_error (a fixed budget of its floor at

@@ -418,7 +418,14 @@ def admit(
 def _admit(vllm_config, request, num_prompt_tokens, prompt_embeds, max_tokens, auto) -> Admitted:
     max_len = vllm_config.model_config.max_model_len
     point, continues = auto
-    options = request.resolve(num_prompt_tokens, max_len, auto_point=point, auto_session=continues)
+    # Where the engine refuses sessions, "auto" must not start one the client never asked for.
+    sessions = (
+        vllm_config.cache_config.enable_prefix_caching
+        and getattr(vllm_config, "speculative_config", None) is None
+        and not interleaved(vllm_config)
+    )
+    options = request.resolve(num_prompt_tokens, max_len, auto_point=point,
+                              auto_session=continues, sessions=bool(sessions))  # fmt: skip
     reason = unsupported_reason(vllm_config)
     if reason is not None:
         raise KvOptionsError("kv_budget", reason, options.budget)
