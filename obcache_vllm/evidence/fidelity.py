@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from obcache_vllm.evidence.eval import grid
 from obcache_vllm.evidence.eval.cells import ranks, takes_window
 from obcache_vllm.evidence.forcing import ForceTokensProcessor, track_rows
 from obcache_vllm.options import FIRST_POINT
@@ -77,8 +78,7 @@ def host_of(pipeline: str) -> str | None:
         return pipeline_class(pipeline).host
     except ValueError:
         return None
-SCORERS = ("attn", "value_norm", "obcache_value", "obcache_key", "obcache_joint", "dropkv",
-           "random")  # the closest published rival (DropKV) and the floor beside the scores
+SCORERS = grid.SCORERS  # the evaluations' scorers, the rival (DropKV) and the floor among them
 BOOTSTRAP = 2000
 CODE_MODULES = ("argparse", "json.decoder", "dataclasses", "inspect", "typing", "textwrap")
 BOOKS = ("Genesis", "Exodus", "Matthew", "Acts", "Isaiah", "Numbers", "John", "Luke")

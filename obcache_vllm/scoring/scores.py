@@ -136,6 +136,14 @@ def _sum_rows(x: Tensor, weights: Tensor | None = None) -> Tensor:
     return torch.bmm(weights, x).squeeze(1)  # [Hkv, T]
 
 
+def _distance_sq(att: WindowAttention, out: Tensor) -> Tensor:
+    """|v_p - o_r|^2 [Hkv, R, T] = |v_p|^2 + |o_r|^2 - 2 o_r . v_p, the product accumulated in
+    place (no [R, T, D] temporary)."""
+    out_sq = out.square().sum(dim=-1, keepdim=True)  # [Hkv, R, 1]
+    dist = out_sq + att.resident.value_sq.unsqueeze(1)  # [Hkv, R, T]
+    return dist.baddbmm_(out, att.resident.values.transpose(1, 2), alpha=-2.0)
+
+
 def _dot_outputs_values(att: WindowAttention, out: Tensor) -> Tensor:
     """o_r . v_p [Hkv, R, T]: one [R, D] x [D, T] product per KV head."""
     return torch.bmm(out, att.resident.values.transpose(1, 2))  # [Hkv, R, T]
@@ -148,11 +156,7 @@ class ObcacheKey(Scorer):
     needs_logits = True
 
     def from_attention(self, att: WindowAttention) -> Tensor:
-        out = att.outputs()  # [Hkv, R, D]
-        out_sq = out.square().sum(dim=-1, keepdim=True)  # [Hkv, R, 1]
-        # |v_p - o_r|^2 = |v_p|^2 + |o_r|^2 - 2 o_r . v_p, the product accumulated in place.
-        dist = out_sq + att.resident.value_sq.unsqueeze(1)  # [Hkv, R, T]
-        dist.baddbmm_(out, att.resident.values.transpose(1, 2), alpha=-2.0)  # [Hkv, R, T]
+        dist = _distance_sq(att, att.outputs())  # [Hkv, R, T]
         weight = att.probs.mul_(att.logits).square_()  # [Hkv, R, T]  (A Z)^2, in place
         return _sum_rows(weight.mul_(dist))  # [Hkv, T]
 
@@ -194,10 +198,7 @@ class DropKV(Scorer):
         return out.to(compute_dtype(q, k, v))
 
     def from_attention(self, att: WindowAttention) -> Tensor:
-        out = att.outputs()  # [Hkv, R, D]
-        out_sq = out.square().sum(dim=-1, keepdim=True)  # [Hkv, R, 1]
-        dist = out_sq + att.resident.value_sq.unsqueeze(1)  # [Hkv, R, T]  |v_p - o_r|^2
-        dist.baddbmm_(out, att.resident.values.transpose(1, 2), alpha=-2.0)
+        dist = _distance_sq(att, att.outputs())  # [Hkv, R, T]
         probs = att.probs
         rest = probs.neg().add_(1.0)  # [Hkv, R, T]  1 - A
         saturated = rest < torch.finfo(probs.dtype).eps
