@@ -327,13 +327,13 @@ def _refuse_pressure(request: KvRequest) -> None:
 
 
 def _refuse_heads_memory(request: KvRequest) -> None:
-    """What a pipeline whose heads own their memory (adakv) cannot do yet: it evicts once, at
-    the compress point, into a per-head layout that nothing else reads (see ``kv_pipeline``)."""
+    """What a pipeline whose heads own their memory (adakv) cannot do yet: its per-head layout
+    is read and rewritten at the compress point and by decode-time orders only (see
+    ``kv_pipeline``)."""
     if not _heads_own_memory(request.pipeline):
         return
     budget = request.budget
     for name, value, why in (
-        ("kv_decode", request.decode or None, "a decode-time eviction"),
         ("kv_prefill_evict", request.prefill_evict or None, "an eviction per prefill chunk"),
         ("kv_session", request.session or None, "a continued cache (sessions)"),
         ("kv_when", None if request.when == "always" else request.when,
@@ -479,8 +479,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "prompt queries), `tova` (last query), `streaming` (sinks + recent), `adakv` "
         "(snapkv's scores, the layer's total spread over its KV heads by AdaKV's rule, each "
         "head in memory of its own: the request's blocks follow the sum of its heads' kept "
-        "tokens). `adakv` evicts once, at the compress point, on the CPU backend without "
-        "tensor parallelism; not with `kv_decode`, `kv_prefill_evict`, `kv_session`, "
+        "tokens). `adakv` evicts at the compress point and, with `kv_decode`, again as "
+        "decoding fills its budget (every head re-selected over its own entries), on the CPU "
+        "backend without tensor parallelism; not with `kv_prefill_evict`, `kv_session`, "
         '`kv_when: "pressure"` or an error target; `kv_per_head` has no effect on it (each '
         "head ranks its own entries by definition), and it neither adopts nor leaves "
         "compressed entries",

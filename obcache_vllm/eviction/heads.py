@@ -128,3 +128,38 @@ def head_block_slots(counts: list[int], body_blocks: int, first_column: int,
     slot = torch.arange(body_blocks * hkv)
     blocks = block_row[first_column + slot // hkv].long()
     return blocks * hkv + slot % hkv
+
+
+def head_residents(counts: list[int], body_blocks: int, num_resident: int,
+                   block_size: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Where each KV head's resident entries lie in the row's gathered cache, in order.
+
+    Gathering slots ``[0, N)`` of the row's read block table (shifted past its dead blocks)
+    gives ``[Hkv, N, D]`` in which the body's columns hold head-blocks of whichever head owns
+    them (body slot ``s``: column ``s // Hkv``, head part ``s % Hkv``) and the columns after
+    it each head's own part. Head ``h`` holds ``counts[h] * bs`` body entries (its head-blocks
+    in order) then its part of slots ``[B * bs, N)``: ``lengths[h]`` entries in all, in the
+    order of their positions (a compaction keeps a head's entries in order).
+
+    Returns ``(index [Hkv, W], lengths [Hkv], in_body [Hkv, W])``: ``index`` points into the
+    gathered entries flattened to ``[Hkv * N]``, columns past a head's length at entry 0 (any
+    valid one: padding); ``in_body`` marks entries compacted by an earlier order.
+    """
+    hkv, bs = len(counts), block_size
+    stock = num_resident - body_blocks * bs
+    if sum(counts) != body_blocks * hkv or stock < 0:
+        raise ValueError(f"head-blocks {counts} do not fill {body_blocks} of the row's blocks")
+    lengths = torch.tensor([c * bs + stock for c in counts], dtype=torch.int64)
+    width = int(lengths.max())
+    index = torch.zeros((hkv, width), dtype=torch.int64)
+    in_body = torch.zeros((hkv, width), dtype=torch.bool)
+    offset = 0
+    within = torch.arange(bs)
+    for h, count in enumerate(counts):
+        slot = torch.arange(offset, offset + count)
+        body = ((slot % hkv) * num_resident + (slot // hkv) * bs).view(-1, 1) + within
+        own = h * num_resident + torch.arange(body_blocks * bs, num_resident)
+        index[h, : lengths[h]] = torch.cat([body.reshape(-1), own])
+        in_body[h, : count * bs] = True
+        offset += count
+    return index, lengths, in_body

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from obcache_vllm.eviction.heads import body_shape, head_block_slots
+from obcache_vllm.eviction.heads import body_shape, head_block_slots, head_residents
 from obcache_vllm.eviction.step import RowPlan, StepPlan
 from obcache_vllm.scoring import HeadGeometry, RunningScores, estimate
 
@@ -129,6 +129,9 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
     prefill_end = row.prefill and row.logical_len >= row.prompt_len
     if row.prefill and not every_prompt_query and pipeline.window:
         state.remember_queries(layer, q_rows, pipeline.window)
+    if state.head_layout is not None:  # its heads own their memory since an earlier order
+        _heads_after_attention(plan, row, layer, q_rows, query, view, geom)
+        return
     prompt_scoring = row.prefill and every_prompt_query and pipeline.scored
     if not (order is not None or prompt_scoring or row.score_decode
             or (opts.decode and prefill_end and not state.pressure_pending)):  # fmt: skip
@@ -156,22 +159,117 @@ def _row_after_attention(plan, row: RowPlan, layer: str, query, view, geom, redu
 
 
 def _compact_heads(plan, row: RowPlan, layer: str, view, blocks, keys, values, scores) -> None:
-    """A pipeline whose heads own their memory: each KV head keeps its own count, in whole
-    head-blocks of the order's body (the layout of :mod:`obcache_vllm.eviction.heads`); the
-    tail block stays as it is. ``keys``/``values`` [Hkv, N, D] are the resident tokens."""
+    """A pipeline whose heads own their memory, at its first order: each KV head keeps its own
+    count, in whole head-blocks of the order's body (the layout of
+    :mod:`obcache_vllm.eviction.heads`); the tail block stays as it is. ``keys``/``values``
+    [Hkv, N, D] are the resident tokens, the same ones in every head (one table so far)."""
     state, order, opts = row.state, row.order, row.state.options
-    if not view.per_head_reads:  # before anything is written: contained
-        raise NotImplementedError("this layer's attention cannot read per head (a backend "
-                                  "without per-head memory, ALiBi or attention sinks)")  # fmt: skip
     bs = row.block_size
     tail, body_blocks = body_shape(order.logical_len, order.dead_after, bs)
     kept = state.pipeline.select_heads(scores, tail=tail, body_blocks=body_blocks, block_size=bs,
                                        recent=opts.recent, sinks=opts.sinks)  # fmt: skip
+    _write_heads(plan, row, layer, view, blocks, keys, values, kept, tail, body_blocks)
+    if state.record is not None:
+        first = state.dead * bs
+        state.record[layer] = kept
+        state.record[layer + ":positions"] = [first + index.cpu() for index in kept]
+    state.queries.pop(layer, None)
+
+
+def _heads_after_attention(plan, row: RowPlan, layer: str, q_rows, query, view, geom) -> None:
+    """A request whose heads own their memory, after its first order (``state.head_layout``):
+    decode-time scoring and orders over each KV head's own entries (``kv_decode``).
+
+    Each head's entries (:func:`~obcache_vllm.eviction.heads.head_residents`: its head-blocks,
+    then its part of the columns written since) are scored in one call, padded to the longest
+    head with keys no query sees. The running scores hold head h's in their first
+    ``lengths[h]`` columns and 0 past them, so a column a head grows into starts from 0. An
+    order re-selects every head by AdaKV's rule over those uneven counts
+    (``select_heads(..., lengths=)``) and writes the new body's head-blocks, every head's
+    kept entries gathered before any is written, as at the first order.
+
+    Causal keys: an entry compacted by an earlier order sits at the row's first resident slot
+    (``dead * bs``), below every query scored since (each came after that order); the others at
+    their logical slot, which is their position; padding beyond every position.
+    """
+    state, order, opts, pipeline = row.state, row.order, row.state.options, row.state.pipeline
+    seed = opts.decode and row.prefill and row.logical_len >= row.prompt_len  # compressed
+    # mid-prompt (kv_compress_at): the prompt's window seeds the decode scores at its end
+    if not (order is not None or row.score_decode or row.decode_stored is not None or seed):
+        return
+    layout, bs, n = state.head_layout, row.block_size, row.num_resident
+    counts = layout.counts[plan.layer_index[layer]].tolist()
+    blocks = plan.read_block_table[row.row : row.row + 1]  # [1, M]
+    keys, values = view.gather(blocks, n)  # [1, Hkv, N, D] as stored
+    hkv = keys.shape[1]
+    index, lengths, in_body = head_residents(counts, layout.body_blocks, n, bs)
+    index = index.to(keys.device)
+    k_heads = keys[0].reshape(hkv * n, -1)[index]  # [Hkv, W, D]: head h's first lengths[h]
+    v_heads = values[0].reshape(hkv * n, -1)[index]
+    width = index.shape[1]
+    valid = (torch.arange(width) < lengths.view(-1, 1)).to(keys.device)
+    if pipeline.scored:
+        k_read, v_read = view.values_of(k_heads, v_heads, query.dtype)
+        k_tok, v_tok = k_read.transpose(0, 1), v_read.transpose(0, 1)  # [W, Hkv, D]
+        first = state.dead * bs
+        local = torch.arange(width).view(1, -1) - torch.tensor(counts).view(-1, 1) * bs
+        k_pos = torch.where(in_body, first, first + layout.body_blocks * bs + local)
+        k_pos = k_pos.masked_fill(~valid.cpu(), _UNSEEN).to(keys.device)  # [Hkv, W]
+        running = state.running.get(layer)
+        if running is None:
+            running = state.running[layer] = RunningScores(hkv, mode=state.decode_mode)
+        if row.prefill:
+            q = state.queries[layer]
+            q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len,
+                                 device=keys.device)  # fmt: skip
+            step = pipeline.head_scores(state.scorer, q, k_tok, v_tok, geom, q_pos, k_pos,
+                                        lengths)  # fmt: skip
+            running.reset()
+        else:
+            q = _decode_queries(plan, row, layer, q_rows)
+            q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len,
+                                 device=keys.device)  # fmt: skip
+            step = state.scorer(q, k_tok, v_tok, geom, q_pos, k_pos)
+        running.add(step.masked_fill(~valid, 0.0))
+        scores = running.scores
+    else:
+        scores = torch.zeros((hkv, width), dtype=torch.float32, device=keys.device)
+    if order is None:
+        return
+    tail, body_blocks = body_shape(order.logical_len, order.dead_after, bs)
+    kept = pipeline.select_heads(scores, tail=tail, body_blocks=body_blocks, block_size=bs,
+                                 recent=opts.recent, sinks=opts.sinks, lengths=lengths)  # fmt: skip
+    _write_heads(plan, row, layer, view, blocks, k_heads, v_heads, kept, tail, body_blocks)
+    if state.record is not None:
+        key = layer + ":positions"
+        state.record[layer] = kept
+        prev = state.record.get(key)
+        if prev is not None:  # head h: its body's positions, then the slots written since
+            since = torch.arange((state.dead + layout.body_blocks) * bs, row.logical_len)
+            state.record[key] = [torch.cat([prev[h][: c * bs], since])[kept[h].cpu()]
+                                 for h, c in enumerate(counts)]  # fmt: skip
+
+
+# A causal key position no query reaches (the padding of heads shorter than the longest).
+_UNSEEN = 1 << 62
+
+
+def _write_heads(plan, row: RowPlan, layer: str, view, blocks, keys, values, kept,
+                 tail: int, body_blocks: int) -> None:  # fmt: skip
+    """Write an order's per-head selection: head h's kept entries ``kept[h]`` (sorted indices
+    into ``keys``/``values`` [Hkv, W, D], its last ``tail`` the tail block's, which stays) into
+    its head-blocks of the order's body, head after head; then carry the running scores over
+    to the new layout (head h's first ``len(kept[h])`` columns)."""
+    state, order = row.state, row.order
+    if not view.per_head_reads:  # before anything is written: contained
+        raise NotImplementedError("this layer's attention cannot read per head (a backend "
+                                  "without per-head memory, ALiBi or attention sinks)")  # fmt: skip
+    bs = row.block_size
     counts = [(len(index) - tail) // bs for index in kept]
-    body = [index[: len(index) - tail] for index in kept]
-    d = keys.shape[-1]
-    kept_k = torch.cat([keys[h, index] for h, index in enumerate(body)]).view(-1, bs, d)
-    kept_v = torch.cat([values[h, index] for h, index in enumerate(body)]).view(-1, bs, d)
+    body = [index[: len(index) - tail].to(keys.device) for index in kept]
+    kept_k = torch.cat([keys[h, index] for h, index in enumerate(body)])  # [B*Hkv*bs, D]
+    kept_v = torch.cat([values[h, index] for h, index in enumerate(body)])
+    kept_k, kept_v = kept_k.view(-1, bs, kept_k.shape[-1]), kept_v.view(-1, bs, kept_v.shape[-1])
     ids = head_block_slots(counts, body_blocks, order.dead_after - order.dead_before, blocks[0])
     row.outcome.writing = True
     _preserve(row, view, blocks)
@@ -180,11 +278,14 @@ def _compact_heads(plan, row: RowPlan, layer: str, view, blocks, keys, values, s
     row.outcome.writing = False
     row.outcome.compacted_layers += 1
     row.outcome.head_blocks[plan.layer_index[layer]] = (counts, body_blocks)
-    if state.record is not None:
-        first = state.dead * bs
-        state.record[layer] = kept
-        state.record[layer + ":positions"] = [first + index.cpu() for index in kept]
-    state.queries.pop(layer, None)
+    running = state.running.get(layer)
+    if running is not None and running.length:
+        scores = running.scores
+        fresh = scores.new_zeros((len(kept), max(len(index) for index in kept)))
+        for h, index in enumerate(kept):
+            fresh[h, : len(index)] = scores[h, index.to(scores.device)]
+        running.reset()
+        running.add(fresh)
 
 
 def _compact(row: RowPlan, layer: str, view, blocks, keys, values, keep, dead_after: int) -> None:
@@ -415,18 +516,25 @@ def _scores(plan: StepPlan, row: RowPlan, layer, q_rows, keys, values, geom, pre
         q_pos = torch.arange(row.logical_len - q_rows.shape[0], row.logical_len, device=device)
         step = pipeline.prefill_scores(state.scorer, q_rows, k_tok, v_tok, geom, q_pos, k_pos)
     else:
-        q = q_rows[-1:]  # "last": the newest query only
-        if row.decode_position is not None:  # "sum": every query stored since the last scoring
-            q = plan.decode_store.read(layer, state.decode_slot, row.decode_position + 1)
-        elif row.decode_stored is not None:  # "sum", a row of several: stored ones, then it
-            q = q_rows
-            if row.decode_stored:
-                stored = plan.decode_store.read(layer, state.decode_slot, row.decode_stored)
-                q = torch.cat([stored, q_rows])
+        q = _decode_queries(plan, row, layer, q_rows)
         q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
         step = state.scorer(q, k_tok, v_tok, geom, q_pos, k_pos)
     running.add(step)
     return running.scores
+
+
+def _decode_queries(plan: StepPlan, row: RowPlan, layer: str, q_rows):
+    """The decode-time queries a row scores now [n, Hq, D]: the newest only ("last"), or every
+    one stored since the last scoring ("sum"; in a row of several, the stored ones then it)."""
+    state = row.state
+    if row.decode_position is not None:
+        return plan.decode_store.read(layer, state.decode_slot, row.decode_position + 1)
+    if row.decode_stored is not None:
+        if not row.decode_stored:
+            return q_rows
+        stored = plan.decode_store.read(layer, state.decode_slot, row.decode_stored)
+        return torch.cat([stored, q_rows])
+    return q_rows[-1:]
 
 
 def _pressure_scores(row: RowPlan, layer, q_rows, k_tok, v_tok, geom, k_pos, running):

@@ -20,12 +20,14 @@ Glossary: L prompt tokens (prefilled), Hkv KV heads, K kept per head on average,
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from obcache_vllm.evidence.hf_reference import Prefill
 from obcache_vllm.options import KvOptions
+from obcache_vllm.scoring import RunningScores
 from obcache_vllm.scoring.allocation import ALPHA, adaptive_keep
 
 ATTENTION = "obcache_head_masked"
@@ -173,3 +175,217 @@ def compare(reference: Tensor, logits: Tensor) -> dict:
     misses = (~agree).nonzero()
     return {"kl": float(kl.mean()), "agree": float(agree.double().mean()),
             "first_divergence": int(misses[0]) if misses.numel() else len(agree)}  # fmt: skip
+
+
+# A causal key position no query reaches (padding of the heads shorter than the longest).
+_UNSEEN = 1 << 62
+
+
+@dataclass
+class _HeadLayer:
+    """One layer of :func:`run_evicting_heads`: each KV head's resident positions (sorted),
+    how many of them (the first) an order compacted, the running scores [Hkv, W] (head h's
+    in its first ``len(positions[h])`` columns), the prompt's last window queries."""
+
+    positions: list[Tensor]
+    compacted: list[int]
+    running: RunningScores | None = None
+    queries: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class HeadsRun:
+    """The outcome of :func:`run_evicting_heads`: ``kept`` per layer index each head's resident
+    positions after the last order; ``history`` the same after every order, with ``orders``
+    its (logical_len, prefill); ``token_ids`` the greedy tokens and ``logits`` [n, V] they
+    were chosen from."""
+
+    kept: dict[int, list[Tensor]]
+    orders: list[tuple[int, bool]]
+    history: list[dict[int, list[Tensor]]]
+    token_ids: list[int]
+    logits: Tensor
+
+
+@torch.inference_mode()
+def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size: int = 32,
+                       max_new_tokens: int = 16,
+                       prompt_len: int | None = None) -> HeadsRun:  # fmt: skip
+    """A pipeline whose heads own their memory (adakv), step by step with ``kv_decode``: the
+    reference for the worker's per-head layout evicted again at decode.
+
+    Every layer keeps its whole cache; each KV head's resident entries are a set of positions,
+    and attention adds ``-inf`` to every other entry of that head (:func:`_masked_attention`),
+    which is attention over the head's own entries, whatever their count. Decisions follow the
+    worker's rule, restated on positions rather than head-blocks:
+
+    * the block rule (``plan_eviction``) orders at the compress point, and at decode steps
+      with ``kv_decode``, as for a uniform pipeline (the same blocks are freed);
+    * at an order the layer's heads are re-selected by ``select_heads`` over each head's own
+      entries (``lengths``), with the tail (the entries of the block new tokens go to) kept;
+    * scores: the prompt's window (``head_scores``, each head pooled over its own entries);
+      with ``kv_decode`` they seed the running scores at the prompt's end, and every decode
+      query is scored against each head's entries and folded in (summed, or replaced);
+    * causal keys: an entry an order compacted sits at the request's first resident slot
+      (``dead * block_size``), below every later query; the rest at their true positions.
+
+    ``prompt_len``: as in :func:`~obcache_vllm.evidence.hf_reference.run_evicting` (a
+    preempted request recomputing its output: the tokens after the prompt are one segment of
+    decode-time queries, with the block rule's order at its end). Models whose every layer
+    evicts only (no hybrid sliding-window layers).
+    """
+    from transformers import DynamicCache
+
+    from obcache_vllm.eviction.heads import body_shape
+    from obcache_vllm.eviction.planning import plan_eviction
+    from obcache_vllm.eviction.step import RequestKvState
+    from obcache_vllm.evidence.hf_reference import _capturing_queries, _geometry, evicting_layers
+
+    ids = input_ids.reshape(-1)
+    total = ids.numel()
+    length = total if prompt_len is None else prompt_len
+    point = options.compress_point(length)
+    scorer, pipeline = options.build_scoring()
+    mode = RequestKvState.create(options).decode_mode
+    geom = _geometry(model)
+    evict = evicting_layers(model)
+    if len(evict) != model.config.num_hidden_layers:
+        raise ValueError("per-head layouts are served on models whose every layer is global")
+    window = pipeline.window
+    cache = DynamicCache(config=model.config)
+    layers: list[_HeadLayer] = []
+    captured: dict[int, Tensor] = {}
+    dead, past_point = 0, False
+    orders: list[tuple[int, bool]] = []
+    history: list[dict[int, list[Tensor]]] = []
+    kept: dict[int, list[Tensor]] = {}
+    _register()
+    previous = model.config._attn_implementation
+
+    def forward(tokens: Tensor, start: int) -> Tensor:
+        """Run tokens at positions start.. over each head's resident entries; last logits."""
+        _MASKS.clear()
+        for layer, lay in zip(evict, layers, strict=False):
+            mask = torch.zeros((len(lay.positions), start), dtype=torch.bool)
+            for head, pos in enumerate(lay.positions):
+                mask[head, pos] = True
+            _MASKS[layer] = mask
+        positions = torch.arange(start, start + tokens.numel())
+        model.config._attn_implementation = ATTENTION
+        try:
+            with _capturing_queries() as queries:
+                out = model(input_ids=tokens.reshape(1, -1), position_ids=positions[None],
+                            past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        finally:
+            _MASKS.clear()
+            model.config._attn_implementation = previous
+        captured.update({i: queries[layer] for i, layer in enumerate(evict)})
+        heads = model.config.num_key_value_heads
+        for i in range(len(evict)):
+            if i == len(layers):
+                layers.append(_HeadLayer([torch.zeros(0, dtype=torch.int64)] * heads,
+                                         [0] * heads))  # fmt: skip
+            lay = layers[i]
+            lay.positions = [torch.cat([pos, positions]) for pos in lay.positions]
+        return out.logits[0, -1].float()
+
+    def residents(i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Layer i's heads padded to the longest: keys, values [W, Hkv, D], causal key
+        positions [Hkv, W], lengths [Hkv]."""
+        lay = layers[i]
+        keys = cache.layers[evict[i]].keys[0]  # [Hkv, T, D]: every entry ever computed
+        values = cache.layers[evict[i]].values[0]
+        lengths = torch.tensor([len(pos) for pos in lay.positions])
+        width = int(lengths.max())
+        heads = len(lay.positions)
+        k = keys.new_zeros((width, heads, keys.shape[-1]))
+        v = values.new_zeros((width, heads, values.shape[-1]))
+        k_pos = torch.full((heads, width), _UNSEEN, dtype=torch.int64)
+        for h, pos in enumerate(lay.positions):
+            k[: len(pos), h], v[: len(pos), h] = keys[h, pos], values[h, pos]
+            k_pos[h, : len(pos)] = pos
+            k_pos[h, : lay.compacted[h]] = dead * block_size
+        return k, v, k_pos, lengths
+
+    def evict_or_score(logical_len: int, prefill: bool, q_count: int) -> None:
+        nonlocal dead, past_point, kept
+        order = None
+        if not past_point:
+            if logical_len >= point:
+                order = plan_eviction(logical_len=logical_len, budget=options.budget,
+                                      dead_blocks=dead, block_size=block_size)  # fmt: skip
+            past_point = logical_len >= point
+        elif options.decode and not prefill:
+            order = plan_eviction(logical_len=logical_len, budget=options.budget,
+                                  dead_blocks=dead, block_size=block_size)  # fmt: skip
+        prompt_end = prefill and logical_len >= length
+        new_kept = {}
+        for i, lay in enumerate(layers):
+            q_new = captured[i][-q_count:]
+            if prefill and window:
+                prev = lay.queries
+                lay.queries = q_new if prev is None else torch.cat([prev, q_new])[-window:]
+            if not (order is not None or (not prefill and options.decode)
+                    or (options.decode and prompt_end)):  # fmt: skip
+                continue
+            k, v, k_pos, lengths = residents(i)
+            valid = torch.arange(k.shape[0]) < lengths.view(-1, 1)
+            if lay.running is None and options.decode:
+                lay.running = RunningScores(k.shape[1], mode=mode)
+            if prefill:
+                q = lay.queries
+                q_pos = torch.arange(logical_len - q.shape[0], logical_len)
+                scores = pipeline.head_scores(scorer, q, k, v, geom, q_pos, k_pos, lengths)
+                if lay.running is not None and prompt_end:
+                    lay.running.reset()
+                    lay.running.add(scores.masked_fill(~valid, 0.0))
+            else:
+                q = q_new if mode == "sum" else q_new[-1:]
+                q_pos = torch.arange(logical_len - q.shape[0], logical_len)
+                lay.running.add(scorer(q, k, v, geom, q_pos, k_pos).masked_fill(~valid, 0.0))
+                scores = lay.running.scores
+            if order is None:
+                continue
+            tail, body_blocks = body_shape(logical_len, order.dead_after, block_size)
+            chosen = pipeline.select_heads(scores, tail=tail, body_blocks=body_blocks,
+                                           block_size=block_size, recent=options.recent,
+                                           sinks=options.sinks, lengths=lengths)  # fmt: skip
+            lay.positions = [pos[c] for pos, c in zip(lay.positions, chosen, strict=True)]
+            lay.compacted = [len(c) - tail for c in chosen]
+            if lay.running is not None and lay.running.length:
+                running = lay.running.scores
+                fresh = running.new_zeros((len(chosen), max(len(c) for c in chosen)))
+                for h, c in enumerate(chosen):
+                    fresh[h, : len(c)] = running[h, c]
+                lay.running.reset()
+                lay.running.add(fresh)
+            if logical_len >= point:
+                lay.queries = None
+            new_kept[evict[i]] = [pos.clone() for pos in lay.positions]
+        if order is not None:
+            dead = order.dead_after
+            orders.append((logical_len, prefill))
+            history.append(new_kept)
+            kept = new_kept
+
+    at, logits = 0, None
+    for end in sorted({point, length, total}):
+        if end <= at:
+            continue
+        logits = forward(ids[at:end], at)
+        evict_or_score(end, prefill=end <= length, q_count=end - at)
+        at = end
+    tokens: list[int] = []
+    rows: list[Tensor] = []
+    position = total
+    for step in range(max_new_tokens):
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        rows.append(logits)
+        if step == max_new_tokens - 1:
+            break
+        logits = forward(torch.tensor([token]), position)
+        position += 1
+        evict_or_score(position, prefill=False, q_count=1)
+    return HeadsRun(kept=kept, orders=orders, history=history, token_ids=tokens,
+                    logits=torch.stack(rows))  # fmt: skip

@@ -23,54 +23,81 @@ from torch import Tensor
 ALPHA = 0.20
 
 
-def _ranked(scores: Tensor, sinks: int, recent: int) -> tuple[Tensor, Tensor]:
-    """(priority [Hkv, T], each head's entries best first [Hkv, T]): the first ``sinks`` and
-    last ``recent`` entries rank above every score, NaN below (ties to the lower index)."""
-    num_t = scores.shape[1]
+def _ranked(scores: Tensor, sinks: int, recent: int,
+            lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(priority [Hkv, T], each head's entries best first [Hkv, T], valid [Hkv, T]): the first
+    ``sinks`` and last ``recent`` entries of each head rank above every score, NaN below (ties
+    to the lower index). ``lengths`` [Hkv]: head h's entries are its first ``lengths[h]``
+    columns (None: all T); the columns past it rank after every entry of the head."""
+    heads, num_t = scores.shape
+    index = torch.arange(num_t, device=scores.device)
+    if lengths is None:
+        lengths = torch.full((heads,), num_t, dtype=torch.int64, device=scores.device)
+    ends = lengths.to(device=scores.device, dtype=torch.int64).view(heads, 1)
+    valid = index < ends  # [Hkv, T]
+    fixed = (index < sinks) | ((index >= ends - recent) & valid) if recent else index < sinks
     priority = scores.to(torch.float64).nan_to_num(nan=float("-inf"))
-    fixed = torch.zeros(num_t, dtype=torch.bool, device=scores.device)
-    fixed[:sinks] = True
-    if recent:
-        fixed[num_t - recent :] = True
-    priority = priority.masked_fill(fixed, float("inf"))
-    return priority, torch.sort(priority, dim=1, descending=True, stable=True).indices
+    priority = priority.masked_fill(fixed & valid, float("inf"))
+    order = torch.sort(priority, dim=1, descending=True, stable=True).indices
+    if not bool(valid.all()):  # stable: the valid entries first, in the same order
+        invalid_last = (~valid).gather(1, order).to(torch.int8)
+        order = order.gather(1, torch.sort(invalid_last, dim=1, stable=True).indices)
+    return priority, order, valid
+
+
+def _check_lengths(lengths: Tensor | None, heads: int, num_t: int) -> Tensor | None:
+    if lengths is None:
+        return None
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    if lengths.shape != (heads,) or bool((lengths < 0).any()) or bool((lengths > num_t).any()):
+        raise ValueError(f"lengths must be [{heads}] within [0, {num_t}], got {lengths.tolist()}")
+    return lengths
 
 
 def adaptive_keep(scores: Tensor, keep: int, *, recent: int = 0, sinks: int = 0,
-                  alpha: float = ALPHA) -> Tensor:  # fmt: skip
+                  alpha: float = ALPHA, lengths: Tensor | None = None) -> Tensor:  # fmt: skip
     """The kept entries of one layer as a mask [Hkv, T]: ``keep * Hkv`` of them in all.
 
     Every head keeps its first ``sinks`` and last ``recent`` entries and at least
     ``max(int(alpha * keep), sinks + recent)`` entries: its own best ones; the rest of the
     layer's total goes to the best remaining entries of any head (ties to the lower head, then
     the lower index; NaN ranks lowest). ``keep`` at most T.
+
+    ``lengths`` [Hkv]: heads that hold different numbers of entries (a per-head layout that
+    decode has grown): head h's are its first ``lengths[h]`` columns, the rest is padding that
+    is never kept; a head shorter than the floor keeps all of its entries. ``keep * Hkv`` at
+    most their sum. Equal lengths select exactly as None does.
     """
     if scores.dim() != 2:
         raise ValueError(f"scores must be [Hkv, T], got {tuple(scores.shape)}")
     heads, num_t = scores.shape
-    if not 0 <= keep <= num_t:
-        raise ValueError(f"cannot keep {keep} of {num_t} entries")
+    lengths = _check_lengths(lengths, heads, num_t)
+    room = num_t * heads if lengths is None else int(lengths.sum())
+    if not 0 <= keep * heads <= room or keep > num_t:
+        raise ValueError(f"cannot keep {keep} of {num_t} entries per head ({room} in all)")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     if sinks + recent > keep:
         raise ValueError(f"sinks ({sinks}) + recent ({recent}) exceed the kept count ({keep})")
-    priority, order = _ranked(scores, sinks, recent)
+    priority, order, valid = _ranked(scores, sinks, recent, lengths)
     floor = max(int(alpha * keep), sinks + recent)  # int(): as kvpress rounds it
+    floors = valid.sum(dim=1).clamp(max=floor)  # [Hkv]: a head keeps at most what it holds
     # Each head's own best ``floor`` (the fixed entries first).
+    rank = torch.arange(num_t, device=scores.device).view(1, num_t)
     kept = torch.zeros((heads, num_t), dtype=torch.bool, device=scores.device)
-    kept.scatter_(1, order[:, :floor], True)
+    kept.scatter_(1, order, rank < floors.view(heads, 1))
     # The rest of the layer's total: the best remaining entries across heads.
-    rest = keep * heads - floor * heads
+    rest = keep * heads - int(floors.sum())
     if rest > 0:
-        flat = priority.masked_fill(kept, float("-inf")).reshape(-1)  # head-major
-        chosen = torch.sort(flat, descending=True, stable=True).indices[:rest]
-        kept.view(-1)[chosen] = True
+        free = (valid & ~kept).view(-1).nonzero().squeeze(1)  # head-major, ascending
+        best = torch.sort(priority.view(-1)[free], descending=True, stable=True).indices
+        kept.view(-1)[free[best[:rest]]] = True
     return kept
 
 
 def adaptive_head_blocks(scores: Tensor, *, tail: int, body_blocks: int, block_size: int,
-                         recent: int = 0, sinks: int = 0, alpha: float = ALPHA
-                         ) -> list[Tensor]:  # fmt: skip
+                         recent: int = 0, sinks: int = 0, alpha: float = ALPHA,
+                         lengths: Tensor | None = None) -> list[Tensor]:  # fmt: skip
     """AdaKV's allocation in whole head-blocks: the kept entries of each KV head of one layer.
 
     The layout this serves (per-head memory, see ``docs/contributing/per_head_memory.md``): the
@@ -86,34 +113,46 @@ def adaptive_head_blocks(scores: Tensor, *, tail: int, body_blocks: int, block_s
     largest remainders (ties to the lower head), never below what a head's sinks and recent
     entries need; each head then keeps its own best ``m_h * block_size`` (sinks and recent
     entries first). Returns one sorted LongTensor of kept indices per head.
+
+    ``lengths`` [Hkv]: heads that already hold different numbers of entries (a per-head layout
+    evicted again at decode): head h's entries are its first ``lengths[h]`` columns, of which
+    the last ``tail`` are the tail; each head's body ``lengths[h] - tail`` is whole blocks, and
+    no head is given more head-blocks than its body holds. None: every head holds T.
     """
     if scores.dim() != 2:
         raise ValueError(f"scores must be [Hkv, T], got {tuple(scores.shape)}")
     heads, num_t = scores.shape
     bs = block_size
-    body_t = num_t - tail
-    if not 1 <= tail <= num_t or body_t % bs:
-        raise ValueError(f"tail {tail} must leave whole blocks of {bs} of {num_t} entries")
-    if not 0 <= body_blocks * bs <= body_t:
-        raise ValueError(f"cannot keep {body_blocks} blocks of {bs} in {body_t} entries")
+    given = _check_lengths(lengths, heads, num_t)
+    sizes = [num_t] * heads if given is None else given.tolist()
+    body_ts = [n - tail for n in sizes]
+    if not 1 <= tail <= min(sizes) or any(b % bs for b in body_ts):
+        raise ValueError(f"tail {tail} must leave whole blocks of {bs} of {sizes} entries")
+    if not 0 <= body_blocks * bs * heads <= sum(body_ts):
+        raise ValueError(f"cannot keep {body_blocks} blocks of {bs} in {body_ts} entries")
     recent_body = max(0, recent - tail)
     fixed = sinks + recent_body
     if fixed > body_blocks * bs:
         raise ValueError(f"sinks ({sinks}) + recent ({recent}) exceed the kept count")
-    tail_index = torch.arange(body_t, num_t, device=scores.device)
+    tails = [torch.arange(b, n, device=scores.device) for b, n in zip(body_ts, sizes, strict=True)]
     if body_blocks == 0:
-        return [tail_index.clone() for _ in range(heads)]
-    body = scores[:, :body_t]
+        return tails
+    width = max(body_ts)
+    body = scores[:, :width]
+    body_lengths = None if given is None else torch.tensor(body_ts, dtype=torch.int64)
     counts = adaptive_keep(body, body_blocks * bs, recent=recent_body, sinks=sinks,
-                           alpha=alpha).sum(dim=1).tolist()  # fmt: skip
+                           alpha=alpha, lengths=body_lengths).sum(dim=1).tolist()  # fmt: skip
     least = -(-fixed // bs)
+    room = [b // bs for b in body_ts]
+    if any(least > r for r in room):
+        raise ValueError(f"a head's body {body_ts} cannot hold its sinks and recent entries")
     blocks = [max(c // bs, least) for c in counts]
     spare = body_blocks * heads - sum(blocks)
     by_remainder = sorted(range(heads), key=lambda h: (-(counts[h] % bs), h))
     while spare > 0:  # the largest remainders get the blocks left
         grew = False
         for h in by_remainder:
-            if spare and blocks[h] * bs < body_t:
+            if spare and blocks[h] < room[h]:
                 blocks[h] += 1
                 spare -= 1
                 grew = True
@@ -124,6 +163,6 @@ def adaptive_head_blocks(scores: Tensor, *, tail: int, body_blocks: int, block_s
             if spare and blocks[h] > least:
                 blocks[h] -= 1
                 spare += 1
-    order = _ranked(body, sinks, recent_body)[1]  # [Hkv, body_t]
-    return [torch.cat([order[h, : blocks[h] * bs].sort().values, tail_index])
+    order = _ranked(body, sinks, recent_body, body_lengths)[1]  # [Hkv, width]
+    return [torch.cat([order[h, : blocks[h] * bs].sort().values, tails[h]])
             for h in range(heads)]  # fmt: skip

@@ -61,10 +61,22 @@ class Pipeline:
             raise ValueError(f"per_head must be a bool, got {self.per_head!r}")
 
     def select_heads(self, scores: Tensor, *, tail: int, body_blocks: int, block_size: int,
-                     recent: int, sinks: int) -> list[Tensor]:  # fmt: skip
+                     recent: int, sinks: int, lengths: Tensor | None = None
+                     ) -> list[Tensor]:  # fmt: skip
         """A pipeline whose heads own their memory (``heads_own_memory``): each KV head's kept
-        indices, in whole head-blocks of the body and the ``tail`` whole."""
+        indices, in whole head-blocks of the body and the ``tail`` whole. ``lengths`` [Hkv]:
+        how many of the T columns each head holds (its layout after an earlier eviction)."""
         raise NotImplementedError(f"{self.name}: its heads share one layout (no select_heads)")
+
+    def head_scores(self, scorer: Scorer, q: Tensor, k: Tensor, v: Tensor, geom: HeadGeometry,
+                    q_pos: Tensor, k_pos: Tensor, lengths: Tensor) -> Tensor:  # fmt: skip
+        """``prefill_scores`` of a cache whose heads hold different numbers of entries.
+
+        k, v [T, Hkv, D]: head h's entries are its first ``lengths[h]`` columns, the rest
+        padding whose ``k_pos`` [Hkv, T] no query reaches; any pooling runs over each head's
+        own entries. Returns [Hkv, T], 0 past each head's length.
+        """
+        raise NotImplementedError(f"{self.name}: its heads share one layout (no head_scores)")
 
     @property
     def window(self) -> int | None:
@@ -157,6 +169,15 @@ class SnapKV(Pipeline):
         q, q_pos, k_pos = _last_queries(self.window, q, k, q_pos, k_pos)
         scores = scorer(q, k, v, geom, q_pos, k_pos)  # [Hkv, T]
         return pool_positions(scores, self.pooling, self.kernel)
+
+    def head_scores(self, scorer, q, k, v, geom, q_pos, k_pos, lengths) -> Tensor:
+        q, q_pos, k_pos = _last_queries(self.window, q, k, q_pos, k_pos)
+        scores = scorer(q, k, v, geom, q_pos, k_pos)  # [Hkv, T]
+        out = torch.zeros_like(scores)
+        for head, length in enumerate(lengths.tolist()):  # each head pooled over its own
+            out[head, :length] = pool_positions(scores[head : head + 1, :length], self.pooling,
+                                                self.kernel)[0]  # fmt: skip
+        return out
 
 
 def pool_positions(scores: Tensor, pooling: str, kernel: int) -> Tensor:
@@ -286,12 +307,14 @@ class AdaKV(SnapKV):
     # default is one ranking per layer still serves adakv as AdaKV).
 
     def select_heads(self, scores: Tensor, *, tail: int, body_blocks: int, block_size: int,
-                     recent: int = 0, sinks: int = 0) -> list[Tensor]:  # fmt: skip
+                     recent: int = 0, sinks: int = 0, lengths: Tensor | None = None
+                     ) -> list[Tensor]:  # fmt: skip
         """Sorted kept indices per KV head (``adaptive_head_blocks``)."""
         from obcache_vllm.scoring.allocation import adaptive_head_blocks
 
         return adaptive_head_blocks(scores, tail=tail, body_blocks=body_blocks,
-                                    block_size=block_size, recent=recent, sinks=sinks)  # fmt: skip
+                                    block_size=block_size, recent=recent, sinks=sinks,
+                                    lengths=lengths)  # fmt: skip
 
 
 _PIPELINES: dict[str, type[Pipeline]] = {

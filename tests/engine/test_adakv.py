@@ -204,3 +204,134 @@ def test_a_fault_in_adakvs_eviction_degrades_only_its_request(engine, cases, fau
         assert len(got[0]) < NEW
     assert sum(totals.failures.values()) == before + 1
     assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+# -- kv_decode: the per-head layout evicted again as decoding fills the budget -----------------
+DECODE_NEW = 72  # two decode-time orders after the prompt's (one per 32 tokens past the budget)
+
+
+def _decode_cases(cases):
+    """Query-aware with the default window, the 8-query window with ``attn`` (both summed
+    decode scores), ``random`` (query-free: replaced at each scoring, "last"), and
+    query-agnostic (the prompt's end seeds the decode scores on the per-head layout its
+    compress point left). Not ``key_norm``: in layer 0 a key's norm is its token's whatever
+    its position (RoPE rotates), so repeated tokens tie exactly, and vLLM's and HF's float
+    noise break those ties differently (seen at the prompt's order, before any decode). The
+    query-agnostic case uses ``obcache_joint``: with ``obcache_key`` its layer 3 has a plateau
+    of scores equal to 1e-7 (0.07245 over dozens of entries, max-pooled), and one entry per
+    head swaps at the boundary at the first decode order (2 of 90 heads; tokens still equal);
+    ``attn`` and ``obcache_joint`` match exactly at all three decode orders."""
+    aware, agnostic = cases[0][0], cases[3]
+    decode = {**ADA, "kv_decode": True}
+    return [
+        (aware, decode),
+        (cases[1][0], {**decode, "kv_window": 8, "kv_scorer": "attn"}),
+        (cases[2][0], {**decode, "kv_scorer": "random"}),
+        (agnostic[0], {**agnostic[1], "kv_decode": True, "kv_scorer": "obcache_joint"}),
+    ]
+
+
+def test_adakv_with_kv_decode_follows_the_reference_order_by_order(engine, cases, hf_model):
+    """Every decode-time order re-selects each KV head over its own entries (AdaKV's rule over
+    uneven counts): at each order, every layer and head keeps exactly the positions the HF
+    reference keeps (:func:`~obcache_vllm.evidence.head_budgets.run_evicting_heads`, attention
+    masked per head over the whole cache), and the greedy tokens are the reference's. In one
+    batch with a stock request and uniform snapkv with ``kv_decode`` on the same prompt, whose
+    tokens equal their runs alone."""
+    decode_cases = _decode_cases(cases)
+    stock_ids = decode_cases[0][0]
+    snap = {"kv_budget": BUDGET, "kv_pipeline": "snapkv", "kv_decode": True}
+    alone = [_generate(engine, [stock_ids], [extra], DECODE_NEW)[0][0] for extra in (None, snap)]
+    prompts = [ids for ids, _ in decode_cases] + [stock_ids, stock_ids]
+    mixed = _generate(engine, prompts, [extra for _, extra in decode_cases] + [None, snap],
+                      DECODE_NEW)  # fmt: skip
+    assert [tokens for tokens, _ in mixed[-2:]] == alone
+
+    for (ids, extra), (tokens, record) in zip(decode_cases, mixed, strict=False):
+        options = parse_kv_options(extra, len(ids))
+        run = hb.run_evicting_heads(hf_model, torch.tensor(ids), options, BS, DECODE_NEW)
+        assert record[":orders"] == run.orders, extra
+        assert sum(not prefill for _, prefill in run.orders) >= 2, "decode-time orders"
+        positions = {_layer(name): kept for name, kept in record.items()
+                     if name.endswith(":positions")}  # fmt: skip
+        assert sorted(positions) == sorted(run.kept)
+        for layer, want in run.kept.items():
+            got = positions[layer]
+            assert [g.tolist() for g in got] == [w.tolist() for w in want], (extra, layer)
+        widths = {tuple(len(p) for p in kept) for kept in run.kept.values()}
+        if options.scorer != "random":  # random scores spread evenly, to whole head-blocks
+            assert len(widths) > 1, "the heads' counts differ across layers after decode"
+        assert tokens == run.token_ids, extra
+
+
+def test_adakv_with_kv_decode_preempted_follows_the_recompute(driver, cases, hf_model):
+    """Preempted after a decode-time order, the request is recomputed from its tokens: the
+    prompt evicted at its end, the output so far one segment of decode-time queries with the
+    block rule's order at its end, then decoding on. Its tokens after the preemption are the
+    HF reference's following that recompute (``run_evicting_heads(..., prompt_len=)``)."""
+    engine, ids = driver.engine, cases[1][0]
+    sched = engine.scheduler
+    decode = {**ADA, "kv_decode": True}
+    rid = driver.add("ada-decode-preempted", ids, 60, ignore_eos=True, **decode)
+    state = None
+    for _ in range(200):  # until the prompt's order and one at decode
+        driver.step()
+        state = engine.runner.obcache.states.get(rid)
+        if state is not None and state.evictions >= 2:
+            break
+    assert state is not None and state.evictions == 2 and state.disabled is None
+    request = sched.requests[rid]
+    done = len(request.output_token_ids)
+    sched.running.remove(request)
+    sched._preempt_request(request, time.monotonic())
+    out = driver.run()[rid]
+    options = parse_kv_options(decode, len(ids))
+    before = hb.run_evicting_heads(hf_model, torch.tensor(ids), options, BS, done)
+    assert out[:done] == before.token_ids
+    after = hb.run_evicting_heads(hf_model, torch.tensor(ids + out[:done]), options, BS,
+                                  60 - done, prompt_len=len(ids))  # fmt: skip
+    assert after.orders[1] == (len(ids) + done, False)  # the recomputed output's order
+    assert out[done:] == after.token_ids
+    assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+def test_adakv_with_kv_decode_at_the_pools_limit_holds_what_snapkv_holds(driver, cases):
+    """Eight requests at once over the 96-block pool, decoding 96 tokens (three decode-time
+    orders each): adakv with ``kv_decode`` at two budgets, snapkv with ``kv_decode`` at the
+    same budget on the same prompt, stock requests, adakv without ``kv_decode``, one aborted
+    mid-way. At every step the adakv request holds exactly the blocks the snapkv one holds;
+    every output equals its run alone; every block goes back to the pool."""
+    engine = driver.engine
+    ids = [ids for ids, _ in cases[:3]]
+    decode = {**ADA, "kv_decode": True}
+    plan = [
+        ("dec-ada0", ids[0], decode), ("dec-snap0", ids[0], {**decode, "kv_pipeline": "snapkv"}),
+        ("dec-ada0-96", ids[0], {**decode, "kv_budget": 96}), ("dec-stock0", ids[0], None),
+        ("dec-ada1", ids[1], decode), ("dec-once1", ids[1], ADA),
+        ("dec-stock2", ids[2], None), ("dec-gone", ids[2], decode),
+    ]  # fmt: skip
+    new = 96
+    alone = {name: _generate(engine, [prompt], [extra], max_tokens=new)[0][0]
+             for name, prompt, extra in plan[:-1]}  # fmt: skip
+    rid = {name: driver.add(name, prompt, new, ignore_eos=True, **(extra or {}))
+           for name, prompt, extra in plan}  # fmt: skip
+    sched = engine.scheduler
+    held = {"dec-ada0": [], "dec-snap0": []}
+    step = 0
+    while engine.llm.llm_engine.has_unfinished_requests():
+        driver.step()
+        step += 1
+        if step == 8:
+            engine.llm.llm_engine.abort_request(["dec-gone"])
+        pair = [rid[name] for name in held]
+        if all(r in sched.requests for r in pair):
+            for name, r in zip(held, pair, strict=True):
+                held[name].append((sched.requests[r].num_computed_tokens, engine.live_blocks(r)))
+    out = driver.outputs
+    assert max(len(step) for step in driver.trace) >= 6  # in flight together, some queued
+    for name, _, _ in plan[:-1]:
+        assert out[rid[name]] == alone[name], name
+    assert len(out.get(rid["dec-gone"], [])) < new
+    assert held["dec-ada0"] == held["dec-snap0"]
+    assert engine.runner.obcache.records[rid["dec-ada0"]][":orders"][-1][0] > len(ids[0]) + 64
+    assert engine.free_blocks() == POOL_BLOCKS - 1

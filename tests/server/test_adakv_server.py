@@ -1,6 +1,7 @@
 """``kv_pipeline: adakv`` through the real server: served with its outcome in ``usage.obcache``
-and the eviction metrics, refused with a 400 naming the field for every option that would read
-or rewrite its per-head layout, and the server keeps serving."""
+and the eviction metrics, also with ``kv_decode``; refused with a 400 naming the field for
+every other option that would read or rewrite its per-head layout, and the server keeps
+serving."""
 
 from __future__ import annotations
 
@@ -33,9 +34,23 @@ def test_adakv_is_served_with_its_outcome_in_usage(server: Server) -> None:
     assert reply["choices"][0]["message"]["content"]
 
 
+def test_adakv_with_kv_decode_evicts_again_while_it_decodes(server: Server) -> None:
+    """With ``kv_decode`` its per-head layout is evicted again as the output fills the budget:
+    more evictions, and what was evicted is the prompt's and the output's beyond the kept."""
+    body = {**_body(kv_budget=64, kv_pipeline="adakv", kv_decode=True), "max_tokens": 72,
+            "ignore_eos": True}  # fmt: skip
+    code, reply = server.post_json("/v1/chat/completions", body)
+    assert code == 200, reply
+    kv, usage = reply["usage"]["obcache"], reply["usage"]
+    assert kv["pipeline"] == "adakv" and kv["evictions"] >= 3, kv  # the prompt's, then decode
+    assert kv["freed_blocks"] * BLOCK == kv["evicted_tokens"]
+    held = usage["prompt_tokens"] + usage["completion_tokens"] - kv["evicted_tokens"]
+    assert 64 <= held <= 64 + 2 * BLOCK, kv
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("kv_decode", True), ("kv_session", True), ("kv_prefill_evict", True),
+    [("kv_session", True), ("kv_prefill_evict", True),
      ("kv_when", "pressure"), ("kv_budget", {"max_error": 0.05})],  # fmt: skip
 )
 def test_adakv_refusals_are_400_naming_the_field(server: Server, field, value) -> None:

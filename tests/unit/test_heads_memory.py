@@ -16,6 +16,7 @@ from obcache_vllm.eviction.heads import (
     HeadLayout,
     body_shape,
     head_block_slots,
+    head_residents,
     head_tables,
     regroup_index,
 )
@@ -168,3 +169,129 @@ def test_regrouped_queries_are_request_then_head_then_token():
     # Back again: what the impl does with the kernel's output.
     back = torch.empty_like(regrouped).index_copy_(0, index, regrouped)
     assert back.view(hkv, tokens, group, d).transpose(0, 1).reshape_as(query).equal(query)
+
+
+# -- a per-head layout evicted again (kv_decode): heads of different lengths --------------------
+def _uneven(seed=0, lengths=(20, 12, 28), garbage=0.0):
+    """Scores [3, 28] of heads holding ``lengths`` entries; the padding holds ``garbage``."""
+    scores = _scores(3, max(lengths), seed)
+    for h, n in enumerate(lengths):
+        scores[h, n:] = garbage
+    return scores, torch.tensor(lengths)
+
+
+def _adaptive_keep_by_hand(scores, keep, lengths, sinks, recent, alpha=0.2):
+    """AdaKV's rule over uneven heads, entry by entry: each head's own best min(floor, n_h)
+    (its sinks and recent entries first), then the layer's best of the rest."""
+    heads = scores.shape[0]
+    floor = max(int(alpha * keep), sinks + recent)
+    kept = torch.zeros(scores.shape, dtype=torch.bool)
+    rest = []
+    for h in range(heads):
+        n = int(lengths[h])
+        fixed = [i for i in range(n) if i < sinks or i >= n - recent]
+        free = sorted((i for i in range(n) if i not in fixed), key=lambda i: (-scores[h, i], i))
+        ranked = fixed + free
+        for i in ranked[: min(floor, n)]:
+            kept[h, i] = True
+        rest += [(-float(scores[h, i]), h, i) for i in ranked[min(floor, n) :]]
+    for _, h, i in sorted(rest)[: keep * heads - int(kept.sum())]:
+        kept[h, i] = True
+    return kept
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("sinks", "recent"), [(0, 0), (2, 3)])
+def test_adakv_over_heads_of_different_lengths_is_its_rule_entry_by_entry(seed, sinks, recent):
+    scores, lengths = _uneven(seed)
+    for keep in (6, 12, 18):
+        got = adaptive_keep(scores, keep, sinks=sinks, recent=recent, lengths=lengths)
+        want = _adaptive_keep_by_hand(scores, keep, lengths, sinks, recent)
+        assert got.equal(want), keep
+        assert not got[0, 20:].any() and not got[1, 12:].any()  # never the padding
+    # What the padding holds does not matter; equal lengths select as no lengths.
+    noisy, _ = _uneven(seed, garbage=1e9)
+    assert adaptive_keep(noisy, 12, lengths=lengths).equal(adaptive_keep(scores, 12,
+                                                                         lengths=lengths))
+    full = _scores(3, 28, seed)
+    assert adaptive_keep(full, 12, lengths=torch.tensor([28] * 3)).equal(adaptive_keep(full, 12))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_head_blocks_over_heads_of_different_lengths_keep_each_heads_tail_and_fill_the_body(
+    seed,
+):
+    lengths = (22, 14, 30)  # each head: whole blocks of 4, then a tail of 2
+    scores, lens = _uneven(seed, lengths=lengths)
+    tail, body_blocks = 2, 4  # 12 head-blocks shared out; the heads' bodies hold 5 + 3 + 7
+    kept = adaptive_head_blocks(scores, tail=tail, body_blocks=body_blocks, block_size=BS,
+                                recent=3, sinks=1, lengths=lens)  # fmt: skip
+    counts = [(len(k) - tail) // BS for k in kept]
+    assert sum(counts) == body_blocks * 3
+    for h, (index, n) in enumerate(zip(kept, lengths, strict=True)):
+        assert index.tolist() == sorted(index.tolist()) and int(index.max()) < n
+        assert index[-tail:].tolist() == [n - 2, n - 1]  # the tail block, where it is
+        assert counts[h] * BS <= n - tail
+        assert {0, n - 3} <= set(index.tolist())  # the sink and the recent entry
+    garbage, _ = _uneven(seed, lengths=lengths, garbage=-1e9)
+    again = adaptive_head_blocks(garbage, tail=tail, body_blocks=body_blocks, block_size=BS,
+                                 recent=3, sinks=1, lengths=lens)  # fmt: skip
+    assert [k.tolist() for k in again] == [k.tolist() for k in kept]
+    full = _scores(3, 22, seed)
+    assert [k.tolist() for k in adaptive_head_blocks(
+        full, tail=2, body_blocks=3, block_size=BS, lengths=torch.tensor([22] * 3))] == [
+        k.tolist() for k in adaptive_head_blocks(full, tail=2, body_blocks=3, block_size=BS)]
+
+
+def test_head_residents_find_each_heads_entries_in_the_uniformly_gathered_cache():
+    """A row's cache laid out per head (head-blocks of the body, head by head, then the stock
+    columns each head's own), gathered slot by slot as every layer gathers it: the index
+    gives back each head's entries in order."""
+    hkv, body_blocks, counts, n = 3, 3, [5, 1, 3], 3 * BS + 6  # 3 body blocks, 6 stock slots
+    gathered = torch.zeros((hkv, n), dtype=torch.int64)  # entry ids as the cache holds them
+    want = [[] for _ in range(hkv)]
+    slot = 0
+    for h, count in enumerate(counts):  # body slot s: column s // Hkv, head part s % Hkv
+        for _ in range(count):
+            col, part = slot // hkv, slot % hkv
+            ids = [1000 * h + len(want[h]) + i for i in range(BS)]
+            gathered[part, col * BS : (col + 1) * BS] = torch.tensor(ids)
+            want[h] += ids
+            slot += 1
+    for h in range(hkv):  # the stock columns: each head its own part
+        ids = [1000 * h + 500 + j for j in range(n - body_blocks * BS)]
+        gathered[h, body_blocks * BS :] = torch.tensor(ids)
+        want[h] += ids
+    index, lengths, in_body = head_residents(counts, body_blocks, n, BS)
+    assert lengths.tolist() == [c * BS + 6 for c in counts]
+    flat = gathered.reshape(-1)[index]
+    for h in range(hkv):
+        assert flat[h, : lengths[h]].tolist() == want[h]
+        assert in_body[h].sum() == counts[h] * BS and in_body[h, : counts[h] * BS].all()
+    with pytest.raises(ValueError):
+        head_residents([5, 1, 2], body_blocks, n, BS)  # do not fill the body
+
+
+def test_snapkv_scores_a_per_head_layout_as_each_head_alone():
+    """``head_scores`` over heads padded to the longest (padding unseen by every query) is each
+    head's own ``prefill_scores`` (one KV head, its query heads), pooled over its own entries."""
+    from obcache_vllm.scoring import HeadGeometry, make_scorer
+
+    gen = torch.Generator().manual_seed(3)
+    geom, lengths = HeadGeometry(6, 3, 8, 8**-0.5), torch.tensor([20, 9, 14])
+    width, window = int(lengths.max()), 5
+    k, v = torch.randn((width, 3, 8), generator=gen), torch.randn((width, 3, 8), generator=gen)
+    q = torch.randn((window, 6, 8), generator=gen)
+    q_pos = torch.arange(100, 100 + window)
+    k_pos = torch.arange(width).expand(3, -1).clone()
+    k_pos[torch.arange(width) >= lengths.view(-1, 1)] = 1 << 62
+    pipe = make_pipeline("adakv", window=4)
+    for name in ("attn", "obcache_key"):
+        scorer = make_scorer(name)
+        got = pipe.head_scores(scorer, q, k, v, geom, q_pos, k_pos, lengths)
+        one = HeadGeometry(2, 1, 8, 8**-0.5)
+        for h, n in enumerate(lengths.tolist()):
+            alone = pipe.prefill_scores(scorer, q[:, 2 * h : 2 * h + 2], k[:n, h : h + 1],
+                                        v[:n, h : h + 1], one, q_pos, k_pos[h, :n])  # fmt: skip
+            torch.testing.assert_close(got[h, :n], alone[0], rtol=1e-5, atol=1e-7)
+            assert not got[h, n:].any()

@@ -94,7 +94,6 @@ def test_the_wire_form_round_trips_and_refuses_what_it_does_not_know():
 @pytest.mark.parametrize(
     ("extra", "field"),
     [
-        pytest.param({"kv_decode": True}, "kv_decode", id="decode"),
         pytest.param({"kv_prefill_evict": True}, "kv_prefill_evict", id="prefill-evict"),
         pytest.param({"kv_session": True}, "kv_session", id="session"),
         pytest.param({"kv_when": "pressure"}, "kv_when", id="pressure"),
@@ -108,6 +107,12 @@ def test_adakv_refuses_what_would_read_or_rewrite_its_per_head_layout(extra, fie
     assert "adakv" in str(info.value)
     # The same options on the uniform host are served.
     assert parse_kv_options({**BUDGET, "kv_pipeline": "snapkv", **extra}, 500) is not None
+
+
+def test_adakv_takes_decode_time_eviction():
+    # Decode-time orders re-select every head over its own entries (tests/engine/test_adakv.py).
+    opts = parse_kv_options({**BUDGET, "kv_pipeline": "adakv", "kv_decode": True}, 500)
+    assert opts.decode and opts.heads_own_memory
 
 
 def test_adakv_takes_a_layer_ranking_default_without_effect():

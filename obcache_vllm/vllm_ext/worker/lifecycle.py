@@ -383,6 +383,8 @@ def _group_decode_orders(
             continue
         if r.q_end - r.q_start > 1:  # several decode-time queries (a recompute): on its own
             continue
+        if r.state.pipeline.heads_own_memory:  # its heads hold different counts: on its own
+            continue
         if r.order is None and not r.score_decode:
             continue
         if not batch_shared and not r.state.options.per_head:
