@@ -267,8 +267,11 @@ def _top_level_names(path: Path) -> set[str]:
     import ast
 
     names: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+    body = list(ast.parse(path.read_text()).body)
+    for node in body:
+        if isinstance(node, ast.If):  # if TYPE_CHECKING: ... else: ...
+            body += node.body + node.orelse
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))

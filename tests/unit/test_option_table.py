@@ -73,3 +73,36 @@ def test_the_modules_types_are_the_tables() -> None:
         assert spec.doc and (spec.example_values() or spec.field == "kv_compress_at"), spec.field
     with pytest.raises(ValueError, match="distinct"):
         OptionTable((*options.OPTIONS, options.OPTIONS[0]))
+
+
+def test_the_declared_request_and_options_classes_are_the_tables() -> None:
+    """``KvRequest``/``KvOptions`` are built from the table at run time; options.py also
+    declares them (under ``TYPE_CHECKING``) for readers and type checkers. Read from the
+    source: the same fields, in the same order, with the same defaults, and KvOptions'
+    annotations the wire types the table checks."""
+    import ast
+
+    tree = ast.parse((ROOT / "obcache_vllm" / "options.py").read_text())
+    guard = next(node for node in tree.body if isinstance(node, ast.If)
+                 and ast.unparse(node.test) == "TYPE_CHECKING")  # fmt: skip
+    declared = {node.name: node for node in guard.body if isinstance(node, ast.ClassDef)}
+    assert sorted(declared) == ["KvOptions", "KvRequest"]
+    for cls in (options.KvRequest, options.KvOptions):
+        rows = [node for node in declared[cls.__name__].body if isinstance(node, ast.AnnAssign)]
+        runtime = dataclasses.fields(cls)
+        assert [row.target.id for row in rows] == [f.name for f in runtime]
+        for row, f in zip(rows, runtime, strict=True):
+            value = row.value
+            if isinstance(value, ast.Call):  # field(default=..., ...)
+                keywords = {k.arg: ast.literal_eval(k.value) for k in value.keywords}
+                assert keywords.pop("default") == f.default, f.name
+                assert keywords.get("kw_only", False) == f.kw_only, f.name
+                assert keywords.get("compare", True) == f.compare, f.name
+            elif value is None:
+                assert f.default is dataclasses.MISSING, f.name
+            else:
+                assert ast.literal_eval(value) == f.default, f.name
+            if cls is options.KvOptions:
+                types = options.KvOptions.table.wire_types[f.name]
+                names = {"None" if t is type(None) else t.__name__ for t in types}
+                assert set(ast.unparse(row.annotation).split(" | ")) == names, f.name
