@@ -11,8 +11,8 @@ One request's ``kv_budget``, from the HTTP body to the freed blocks::
   to_sampling_params: kv_* fields +     add_request: decode the wire,
     the server policy -> admission.parse  open it in the BlockLedger
     (Requested, parsed once)              (eviction/ledger.py)
-  _log_inputs: admit on the rendered    _get_local_prefix_cache_hit:
-    prompt (resolve, refusals, fit)       exact hit or compressed entry
+  AsyncLLM.generate: admit the          _get_local_prefix_cache_hit:
+    rendered prompt (resolve, fit)        exact hit or compressed entry
   process_inputs: the admitted            (prefix.py; copy-on-write of
     options as a versioned wire tuple     hit blocks it writes: blocks.py)
     in extra_args["obcache"]            schedule: the ledger's orders    execute_model: states,

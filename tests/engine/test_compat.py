@@ -128,12 +128,11 @@ def test_api_server_install_is_idempotent_and_wraps_each_seam_once():
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-    from vllm.entrypoints.serve.engine.serving import BaseServing
     from vllm.v1.engine import async_llm
 
     def patched():
         return (
-            BaseServing._log_inputs,
+            async_llm.AsyncLLM.generate,
             ChatCompletionRequest.to_sampling_params,
             CompletionRequest.to_sampling_params,
             OpenAIServingChat.chat_completion_full_generator,

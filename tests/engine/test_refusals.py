@@ -35,7 +35,8 @@ def check_rendered_prompt(handler, inputs, fields):
 
     requested = support.parse(fields)
     extra = {} if requested is None else {ADMITTED_KEY: requested}
-    admit_rendered_prompt(handler, inputs, SimpleNamespace(extra_args=extra, max_tokens=8))
+    admit_rendered_prompt(handler.engine_client.vllm_config, inputs,
+                          SimpleNamespace(extra_args=extra, max_tokens=8))  # fmt: skip
 
 
 def admit_fields(vllm_config, fields, num_prompt_tokens):
@@ -176,11 +177,11 @@ def test_window_beyond_the_context_is_refused(llm):
 
 
 def test_prompt_embeds_requests_are_refused_at_both_front_end_checks(llm):
-    """The input processor's check, on a real ``EngineCoreRequest``, and the handlers' check,
-    on a real ``EmbedsInput`` through vLLM's own prompt extraction."""
+    """The input processor's check, on a real ``EngineCoreRequest``, and the server's check
+    where the handler hands the prompt to the engine (``AsyncLLM.generate``), on a real
+    ``EmbedsInput`` through vLLM's own prompt extraction."""
     import torch
     from vllm import SamplingParams
-    from vllm.entrypoints.serve.engine.serving import BaseServing
     from vllm.exceptions import VLLMValidationError
     from vllm.inputs.engine import embeds_input, tokens_input
     from vllm.v1.engine import EngineCoreRequest
@@ -210,10 +211,8 @@ def test_prompt_embeds_requests_are_refused_at_both_front_end_checks(llm):
     with pytest.raises(VLLMValidationError, match="kv_budget: a fractional"):
         support.admit_engine_request(config, request({"kv_budget": 1.5}))
 
-    class Handler:  # the attributes a generate handler has; vLLM's own extraction method
-        model_config = config.model_config
+    class Handler:  # what the check reads: the engine client's configuration
         engine_client = type("Client", (), {"vllm_config": config})()
-        _extract_prompt_components = BaseServing._extract_prompt_components
 
     with pytest.raises(KvOptionsError, match="prompt embeddings"):
         check_rendered_prompt(Handler(), embeds_input(embeds), BUDGET)

@@ -4,7 +4,7 @@ Where each step runs (API-server process; the offline ``LLM``'s own process)::
 
   HTTP body ─ to_sampling_params (server.py) ─ parse(fields, policy) ─▶ Requested
                                   │  (kv_* fields over the server policy; the one parse)
-  rendered prompt ─ _log_inputs (server.py) ─ admit(Requested, prompt) ─▶ Admitted
+  rendered prompt ─ AsyncLLM.generate (server.py) ─ admit(Requested, prompt) ─▶ Admitted
                                   │  (resolve, refusals, capacity: a 400 before a stream starts)
   InputProcessor.process_inputs ─ admit_engine_request ─▶ the wire tuple (KvOptions.to_wire)
       (offline LLM, engine API: raw kv_* extra_args and kv_hints are parsed and admitted

@@ -16,13 +16,16 @@ and protocol stay in charge; the wrappers only:
   kv_* field (and meets no default budget) is left exactly as vLLM made it.
 * ``to_beam_search_params``: beam search builds its own sampling requests, so explicit kv_*
   fields with ``use_beam_search`` are a 400 (server defaults do not apply to it).
-* ``BaseServing._log_inputs``: admission on the rendered prompt
+* ``AsyncLLM.generate``: admission on the rendered prompt
   (:func:`~obcache_vllm.vllm_ext.frontend.admission.admit`: the budget resolved, the
-  refusals, the pool's capacity). This is the one call of every generate handler where the
-  rendered prompt and the request's ``SamplingParams`` meet, synchronously, before
-  ``engine_client.generate``; raising there becomes vLLM's HTTP 400 even for a stream, whose
-  200 is sent only after the handler returns. The input processor then only encodes the
-  admitted options (``admission.admit_engine_request``).
+  refusals, the pool's capacity), where every generate handler hands the prompt and its
+  ``SamplingParams`` to the engine, synchronously (``generate`` returns an async generator
+  that has not started). Raising there becomes vLLM's HTTP 400 even for a stream, whose 200
+  is sent only after the handler returns. vLLM's own checks against the prompt
+  (``InputProcessor.process_inputs``) run only when the generator is first iterated, inside
+  a stream's 200, so the input processor then only encodes the admitted options
+  (``admission.admit_engine_request``): the offline ``LLM`` and the engine API are admitted
+  there, in one step.
 * The chat/completion response builders: the scheduler puts each budgeted request's KV outcome
   on its outputs (``kv_transfer_params["obcache"]``, see ``wire.OUTCOME_KEY``); it is taken
   off there (the response's ``kv_transfer_params`` stays as stock vLLM makes it) and reported
@@ -149,20 +152,23 @@ def _wrap_to_beam_search_params(original):
     return to_beam_search_params
 
 
-def admit_rendered_prompt(serving, inputs, params, lora_request=None) -> None:
-    """Admission of one rendered prompt of a generate handler (see the module docstring).
+def admit_rendered_prompt(vllm_config, inputs, params, lora_request=None) -> None:
+    """Admission of one rendered prompt on its way into the engine (see the module docstring).
+
+    ``inputs``: the handler's rendered prompt (an ``EngineInput``); ``params``: its sampling
+    parameters, whose ``extra_args`` hold the request's ``Requested`` (stage 1) when it has
+    kv_* fields or meets the policy's budget.
 
     Raises:
         KvOptionsError: a bad option for this prompt, a refusal, or a request that can never
             fit the KV pool.
     """
-    vllm_config = getattr(getattr(serving, "engine_client", None), "vllm_config", None)
-    if vllm_config is None:  # not a generate handler of AsyncLLM: the input processor admits
-        return
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
+
     extra = getattr(params, "extra_args", None)  # None for beam search and pooling
     requested = extra.get(ADMITTED_KEY) if extra else None
     if isinstance(requested, admission.Requested):
-        components = serving._extract_prompt_components(inputs)
+        components = extract_prompt_components(vllm_config.model_config, inputs)
         token_ids, embeds = components.token_ids, components.embeds
         if token_ids is not None:
             num_prompt = len(token_ids)
@@ -184,24 +190,31 @@ def admit_rendered_prompt(serving, inputs, params, lora_request=None) -> None:
         else:
             extra[ADMITTED_KEY] = admitted
     elif hasattr(params, "extra_args") and admission.pool_is_short(vllm_config):
-        token_ids = serving._extract_prompt_components(inputs).token_ids
+        token_ids = extract_prompt_components(vllm_config.model_config, inputs).token_ids
         if token_ids is not None:
             admission.check_fits(vllm_config, len(token_ids), params.max_tokens, None)
 
 
-def _wrap_log_inputs(original):
-    @functools.wraps(original)
-    def _log_inputs(self, request_id, inputs, *args, **kwargs):
-        params = kwargs["params"] if "params" in kwargs else (args[0] if args else None)
-        lora = kwargs["lora_request"] if "lora_request" in kwargs else (args[1:2] or [None])[0]
-        try:
-            admit_rendered_prompt(self, inputs, params, lora)
-        except KvOptionsError as exc:
-            raise admission.rejected(exc) from exc
-        return original(self, request_id, inputs, *args, **kwargs)
+def _wrap_generate(original):
+    """``AsyncLLM.generate``: admission of a rendered prompt where the handler hands it to the
+    engine. ``generate`` is an async generator function: calling it runs nothing, so this
+    plain function admits first and then returns the generator; a refusal leaves the handler
+    before it returns, which vLLM turns into an HTTP 400, for a stream too (its 200 is sent
+    only after the handler returns). Prompts that are not rendered ``EngineInput`` dicts
+    (raw prompts, ``EngineCoreRequest``, streaming input) are left to the input processor."""
 
-    _log_inputs.__obcache_wrapped__ = True
-    return _log_inputs
+    @functools.wraps(original)
+    def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        if isinstance(prompt, Mapping) and "type" in prompt:
+            try:
+                admit_rendered_prompt(self.vllm_config, prompt, sampling_params,
+                                      kwargs.get("lora_request"))  # fmt: skip
+            except KvOptionsError as exc:
+                raise admission.rejected(exc) from exc
+        return original(self, prompt, sampling_params, request_id, *args, **kwargs)
+
+    generate.__obcache_wrapped__ = True
+    return generate
 
 
 # --- KV outcome: engine outputs -> usage.obcache --------------------------------------------
