@@ -388,8 +388,7 @@ def _refuse_target(request: KvRequest) -> None:
                "of queries kept, the error is the share of attention evicted, which needs "
                "kv_scorer attn or value_norm (or use snapkv or tova)")  # fmt: skip
     else:
-        for name, value in (("kv_decode", request.decode or None),
-                            ("kv_prefill_evict", request.prefill_evict or None),
+        for name, value in (("kv_prefill_evict", request.prefill_evict or None),
                             ("kv_when", None if request.when == "always" else request.when)):
             if value is not None:  # fmt: skip
                 why = f"cannot be combined with {name} yet (one eviction at the prompt's end)"
@@ -503,7 +502,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "kv_decode", boolean, False, (bool,), examples=(False, True, "true", 1),
-        doc="also evict while generating (running scores, one block at a time). Booleans are "
+        doc="also evict while generating (running scores, one block at a time; an error "
+        "target keeps the count it chose at the prompt's end). Booleans are "
         '`true`/`false`, `"true"`/`"false"` or `1`/`0` (in `vllm_xargs` vLLM turns JSON '
         "booleans into integers)",
     ),

@@ -361,6 +361,13 @@ def _defer(plan, row: RowPlan, layer: str, q_rows, keys, values, view, blocks, g
         q = state.queries[layer]
         q_pos = torch.arange(row.logical_len - q.shape[0], row.logical_len, device=device)
         ranking = pipeline.prefill_scores(state.scorer, q, k_tok, v_tok, geom, q_pos, k_pos)
+        if opts.decode and row.logical_len >= row.prompt_len:  # they seed the decode scores
+            running = state.running.get(layer)
+            if running is None:
+                running = state.running[layer] = RunningScores(keys.shape[0],
+                                                               mode=state.decode_mode)  # fmt: skip
+            running.reset()
+            running.add(ranking)
         curve = estimate.window_error_curve(q, k_tok, v_tok, geom, ranking, kept, q_pos=q_pos,
                                             k_pos=k_pos, **shape)  # fmt: skip
     row.outcome.deferred[layer] = DeferredLayer(view, blocks, ranking, curve.cpu())

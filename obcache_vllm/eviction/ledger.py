@@ -271,6 +271,7 @@ class RequestBlocks:
         if self.disabled is not None or self.on_pressure:
             return None
         final = True  # the eviction at the compress point, or a decode-time one
+        decoding = self.past_point
         if not self.past_point:
             if logical_len < self.point:
                 if not self.prefill_evicts:
@@ -280,14 +281,26 @@ class RequestBlocks:
             return None
         order = plan_eviction(
             logical_len=logical_len,
-            budget=self.options.budget,
+            budget=self.decode_budget if decoding else self.options.budget,
             dead_blocks=self.dead,
             block_size=self.block_size,
         )
         self.past_point = self.past_point or final
-        if order is not None and self.options.max_error is not None:
+        if order is not None and self.options.max_error is not None and not decoding:
             order = dataclasses.replace(order, max_error=self.error_allowance)
         return order
+
+    @property
+    def decode_budget(self) -> int:
+        """The tokens a decode-time order keeps (``kv_decode``): the budget; for an error
+        target, the count it chose at its compress point (its memory from then on, as a fixed
+        budget of that count), or, where no whole block could go there and nothing was
+        chosen, the tokens it kept (all of them up to the point)."""
+        if self.options.max_error is None:
+            return self.options.budget
+        if self.chosen is not None:
+            return self.chosen[0]
+        return max(self.point, self.options.budget)
 
     @property
     def error_before(self) -> float:

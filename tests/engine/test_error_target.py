@@ -345,3 +345,44 @@ def test_target_session_follow_ups_in_flight_together_get_what_they_get_alone(
             for key in ("estimated_error", "conversation_error"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
     assert engine.llm.reset_prefix_cache() and engine.free_blocks() == POOL_BLOCKS - 1
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        pytest.param(TOVA, id="tova-key"),
+        pytest.param({"kv_pipeline": "snapkv", "kv_window": 8, "kv_scorer": "attn"},
+                     id="snapkv-attn"),
+        pytest.param({"kv_pipeline": "h2o", "kv_scorer": "attn"}, id="h2o-attn"),
+    ],
+)  # fmt: skip
+def test_a_target_with_kv_decode_decodes_as_the_fixed_budget_it_chose(engine, docs, kv) -> None:
+    """``kv_decode`` with an error target: the count chosen at the prompt's end is the
+    request's memory from then on, each decode-time order keeping it as a fixed budget of
+    that count would (same kept positions in every layer and head after the last order, same
+    tokens); the decode scores start from the prompt's, as a fixed budget's do. In flight
+    together with that fixed budget and a stock request, each gets what it gets alone."""
+    ids, new = docs["dense"], 80
+    target = {"kv_budget": {"max_error": 0.01}, "kv_decode": True, **kv}
+    records = engine.runner.obcache.records
+    before = set(records)
+    (out_t,) = _run(engine, [(ids, target)], max_tokens=new)
+    kept = _outcome(out_t)["chosen_budget"]
+    assert kept < len(ids) and _outcome(out_t)["evictions"] >= 3  # the prompt's, then decode
+    mid = set(records)
+    fixed = {"kv_budget": kept, "kv_decode": True, **kv}
+    (out_f,) = _run(engine, [(ids, fixed)], max_tokens=new)
+    assert list(out_t.outputs[0].token_ids) == list(out_f.outputs[0].token_ids)
+    (rec_t,) = [records[r] for r in mid - before]
+    (rec_f,) = [records[r] for r in set(records) - mid]
+    assert rec_t[":orders"] == rec_f[":orders"]
+    for layer in (k for k in rec_t if ":" not in k):
+        assert rec_t[layer + ":positions"].equal(rec_f[layer + ":positions"]), layer
+    target_only = ("max_error", "estimated_error", "chosen_budget", "budget_floor")
+    want = {k: v for k, v in _outcome(out_t).items() if k not in target_only}
+    assert want == {**_outcome(out_f), "budget": kept}
+    batch = [(ids, target), (ids, fixed), (docs["redundant"], None)]
+    together = _run(engine, batch, max_tokens=new)
+    alone = [out_t, out_f, _run(engine, [batch[2]], max_tokens=new)[0]]
+    for (_, opts), got, solo in zip(batch, together, alone, strict=True):
+        assert list(got.outputs[0].token_ids) == list(solo.outputs[0].token_ids), opts

@@ -204,6 +204,8 @@ def test_a_target_takes_a_compress_point_and_a_session():
     assert not followed.session and followed.compress_at is None  # whole, not a session
     session = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_session": True}, 1000)
     assert session.session and session.max_error == 0.1  # each turn within what is left
+    decode = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_decode": True}, 1000)
+    assert decode.decode and decode.max_error == 0.1  # decode keeps the count it chose
 
 
 @pytest.mark.parametrize(
@@ -211,7 +213,6 @@ def test_a_target_takes_a_compress_point_and_a_session():
     [
         ({"kv_pipeline": "streaming"}, "no scored queries"),
         ({"kv_pipeline": "h2o"}, "share of attention"),
-        ({"kv_decode": True}, "kv_decode"),
         ({"kv_prefill_evict": True}, "kv_prefill_evict"),
         ({"kv_when": "pressure"}, "kv_when"),
     ],

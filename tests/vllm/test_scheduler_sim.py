@@ -392,3 +392,22 @@ def test_a_target_at_a_compress_point_and_a_fixed_budget_of_its_floor_keep_apart
     assert (r3["chosen_budget"], r3["estimated_error"]) == (r1["chosen_budget"],
                                                             r1["estimated_error"])
     assert r4.get("reused_from") == "compress_at" and "chosen_budget" not in r4, r4
+
+
+def test_a_target_decodes_to_the_count_it_chose(monkeypatch):
+    """An error target with ``kv_decode``: every decode-time order keeps the count chosen at
+    the prompt's end (the harness's ``target_decode`` check), and the order carries no target
+    of its own; a ledger that orders decode down to the target's floor is seen."""
+    from obcache_vllm.eviction.ledger import RequestBlocks
+
+    fields = (("kv_budget", {"max_error": 0.01, "min": 40}), ("kv_decode", True),
+              ("kv_pipeline", "tova"))  # fmt: skip
+    config = SimConfig(num_blocks=64, block_size=8, max_num_seqs=2, max_batched_tokens=96,
+                       max_model_len=512)  # fmt: skip
+    case = Case(config, (Add(1, 0, 150, 0, 60, fields), Step(120)))
+    sim = assert_clean(case)
+    outcome = sim.results["r1"].outcome
+    assert outcome["chosen_budget"] > 40 and outcome["evictions"] >= 3, outcome
+    monkeypatch.setattr(RequestBlocks, "decode_budget",
+                        property(lambda self: self.options.budget))  # the floor
+    assert "target_decode" in {v.kind for v in run(case).violations}

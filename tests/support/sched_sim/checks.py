@@ -59,8 +59,7 @@ def check_admitted(sim, req_id: str, fields: dict, options) -> None:
     if options is None:
         return
     if options.max_error is not None:
-        bad = [name for name, on in (("decode", options.decode),
-                                     ("prefill_evict", options.prefill_evict),
+        bad = [name for name, on in (("prefill_evict", options.prefill_evict),
                                      ("pressure", options.when != "always")) if on]  # fmt: skip
         if bad:
             sim.worker.violate("options", f"{req_id}: an error target admitted with {bad}")

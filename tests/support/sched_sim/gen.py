@@ -82,6 +82,7 @@ def draw_profile(d: Draw, kind: str) -> dict[str, Any]:
         if _flag(d, 50):  # a floor among the fixed budgets the other profiles draw
             f["kv_budget"]["min"] = d.pick((24, 40, 64))
         f["kv_pipeline"] = d.pick(("snapkv", "tova"))
+        f["kv_decode"] = _flag(d, 30)  # decoding to the count it chose
         reuse = d.int(0, 9)
         if reuse < 4:  # at a compress point: its cache is left and adopted as an entry
             f["kv_compress_at"] = d.pick((64, 96, 160, -8, -24))

@@ -77,6 +77,7 @@ class WorkerRequest:
     options: object | None  # KvOptions (None: stock)
     computed: int = 0  # tokens computed before the current step (the scheduler's count)
     chain: StockChain = field(default_factory=StockChain)
+    chosen: int | None = None  # an error target: the count it chose (its decode budget)
 
 
 def shape(options) -> int:
@@ -366,6 +367,12 @@ class SymbolicWorker:
             w.cache = Cache(dead_after, contents, fold_all(contents))
         if order.max_error is not None:
             row.outcome.chosen = (dead_after, kept, 0.0)
+            w.chosen = kept
+        elif options.max_error is not None and w.chosen is not None and not (
+            w.chosen <= kept < w.chosen + bs
+        ):  # a target decodes as the fixed budget of the count it chose
+            self.violate("target_decode", f"{row.req_id}: a decode-time order keeps {kept}, "
+                         f"its target chose {w.chosen}")  # fmt: skip
         row.outcome.compacted_layers = 1
         req = self.scheduler.requests[row.req_id]
         self.snapshots[(row.req_id, order.logical_len)] = Snapshot(
