@@ -331,14 +331,13 @@ def _refuse_pressure(request: KvRequest) -> None:
 
 def _refuse_heads_memory(request: KvRequest) -> None:
     """What a pipeline whose heads own their memory (adakv) cannot do yet: its per-head layout
-    is read and rewritten at the compress point and by decode-time orders only (see
-    ``kv_pipeline``)."""
+    is read and rewritten at the compress point, by decode-time orders and by a session's
+    next turn only (see ``kv_pipeline``)."""
     if not _heads_own_memory(request.pipeline):
         return
     budget = request.budget
     for name, value, why in (
         ("kv_prefill_evict", request.prefill_evict or None, "an eviction per prefill chunk"),
-        ("kv_session", request.session or None, "a continued cache (sessions)"),
         ("kv_when", None if request.when == "always" else request.when,
          "an eviction under pressure"),
         ("kv_budget", budget.wire() if isinstance(budget, ErrorTarget) else None,
@@ -482,11 +481,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "(snapkv's scores, the layer's total spread over its KV heads by AdaKV's rule, each "
         "head in memory of its own: the request's blocks follow the sum of its heads' kept "
         "tokens). `adakv` evicts at the compress point and, with `kv_decode`, again as "
-        "decoding fills its budget (every head re-selected over its own entries), on the CPU "
-        "backend without tensor parallelism; not with `kv_prefill_evict`, `kv_session`, "
+        "decoding fills its budget (every head re-selected over its own entries), and a "
+        "session continues its per-head cache; on the CPU backend without tensor "
+        "parallelism; not with `kv_prefill_evict`, "
         '`kv_when: "pressure"` or an error target; `kv_per_head` has no effect on it (each '
-        "head ranks its own entries by definition), and it neither adopts nor leaves "
-        "compressed entries",
+        "head ranks its own entries by definition), and at a compress point it neither "
+        "adopts nor leaves compressed entries",
     ),
     OptionSpec(
         "kv_window", integer(1), 64, (int,), examples=(1, 8, 32),
@@ -696,7 +696,7 @@ class _RequestMethods:
                 at >= num_prompt_tokens or not self._room_at(at) or not _continues(self.pipeline)
             ):  # a point is worth compressing at only where the cache becomes an entry
                 at = None
-            if at is None and sessions and self.joins_session():
+            if at is None and sessions and self.joins_session() and _continues(self.pipeline):
                 # Compressed whole, as a tentative session: it may be a chat's first turn. At
                 # all but its last token where the budget leaves room there (see
                 # FIRST_POINT): a repeat of the prompt then adopts this cache.
@@ -765,7 +765,7 @@ class _RequestMethods:
             and not self.prefill_evict
             and self.when == "always"
             and not isinstance(self.budget, ErrorTarget)
-            and _continues(self.pipeline)
+            and not _sums_every_query(self.pipeline)
         )
 
     def _room_at(self, at: int) -> bool:

@@ -91,6 +91,8 @@ class Entry:
     source_ids: tuple[int, ...] = ()
     chosen: tuple[int, float] | None = None
     error: float | None = None
+    # A session entry of a pipeline whose heads own their memory: its per-head layout.
+    head_layout: tuple | None = None
 
     @property
     def tokens(self) -> int:

@@ -52,6 +52,16 @@ class HeadLayout:
                 f"every layer's head-blocks must fill {self.body_blocks} blocks of {heads} heads"
             )
 
+    def to_wire(self) -> tuple:
+        """``(body_blocks, ((counts of layer 0), ...))``: plain ints, for the scheduler's
+        report and a session entry (the next turn's worker starts from it)."""
+        return (self.body_blocks, tuple(tuple(row) for row in self.counts.tolist()))
+
+    @classmethod
+    def from_wire(cls, value) -> HeadLayout:
+        body_blocks, counts = value
+        return cls(torch.tensor(counts, dtype=torch.int64), int(body_blocks))
+
 
 def body_shape(logical_len: int, dead_after: int, block_size: int) -> tuple[int, int]:
     """``(tail, body_blocks)`` of an order at ``logical_len`` that leaves ``dead_after`` dead

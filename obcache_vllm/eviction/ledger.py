@@ -78,6 +78,9 @@ class CacheStart:
     donor: str | None = None
     chosen: tuple[int, float] | None = None
     error: float | None = None
+    # A session entry of a pipeline whose heads own their memory: its per-head layout
+    # (``HeadLayout.to_wire``), which the adopting turn's worker starts from.
+    head_layout: tuple | None = None
 
     @property
     def compressed(self) -> bool:
@@ -102,6 +105,8 @@ class RequestBlocks:
     kept_prompt: int | None = None
     # An error target's choice, as the worker reported it: (tokens kept, estimated error).
     chosen: tuple[int, float] | None = None
+    # A pipeline whose heads own their memory: its per-head layout as last reported.
+    head_layout: tuple | None = None
     # Why eviction stopped for this request ("stage: reason"); it then runs uncompressed.
     disabled: str | None = None
     # False when vLLM itself skips the prefix cache for it (e.g. prompt logprobs requested).
@@ -172,12 +177,14 @@ class RequestBlocks:
     @property
     def entry_kind(self) -> str | None:
         """The compressed entries it may adopt and leave behind (see ``eviction.entries``);
-        none for a pipeline whose heads own their memory: an entry's blocks are read with one
-        table for every head."""
-        if not self.reads_cache or self.options.heads_own_memory:
+        a pipeline whose heads own their memory leaves and adopts session entries only (the
+        entry carries its per-head layout to the next turn, see ``CacheStart.head_layout``)."""
+        if not self.reads_cache:
             return None
         if self.options.session:
             return "session"
+        if self.options.heads_own_memory:
+            return None
         if self.options.compress_at is not None:
             return "compress_at"
         return None
@@ -394,6 +401,8 @@ class RequestBlocks:
             self.kept_prompt = row.kept_prompt
         if row.chosen is not None:
             self.chosen = row.chosen
+        if row.head_layout is not None:
+            self.head_layout = row.head_layout
         return freed
 
     def reset(self) -> None:
@@ -402,6 +411,7 @@ class RequestBlocks:
         self.past_point = False
         self.kept_prompt = None
         self.chosen = None
+        self.head_layout = None
         self.start = None
         if self.pressure == "running":  # recomputed: as stock again until the pool is short
             self.pressure = self.pressure_at = None
@@ -413,6 +423,7 @@ class RequestBlocks:
             self.past_point = False
             self.kept_prompt = None
             self.chosen = None
+            self.head_layout = None
             self.start = None
 
     def adopt(self, start: CacheStart) -> None:
@@ -425,6 +436,7 @@ class RequestBlocks:
                 self.kept_prompt = start.kept_prompt + self.prompt_len - start.tokens
             if start.chosen is not None:  # the target's choice the adopted cache was made to
                 self.chosen = start.chosen
+            self.head_layout = start.head_layout
 
     def peak_blocks(self, max_tokens: int, chunk: int) -> int:
         """Worst-case blocks of the request over its life (see ``planning.peak_blocks``)."""

@@ -70,6 +70,9 @@ class RowState:
     kept_prompt: int | None = None
     # An error target's choice: (tokens kept, the estimated error of that choice).
     chosen: tuple[int, float] | None = None
+    # A pipeline whose heads own their memory, once laid out per head: its layout's wire
+    # form (``HeadLayout.to_wire``), which a session entry carries to the next turn.
+    head_layout: tuple | None = None
 
 
 @dataclass(frozen=True)

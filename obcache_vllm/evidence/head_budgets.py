@@ -20,6 +20,7 @@ Glossary: L prompt tokens (prefilled), Hkv KV heads, K kept per head on average,
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -205,12 +206,21 @@ class HeadsRun:
     history: list[dict[int, list[Tensor]]]
     token_ids: list[int]
     logits: Tensor
+    # Where it ended (its prompt and every token but the last, as vLLM leaves a finished
+    # request's cache): what a session's next turn continues (``start=``).
+    layers: list = ()
+    cache: object = None
+    dead: int = 0
+    length: int = 0
+    # The last order's selection per layer index: each head's kept indices into its entries
+    # before the order (in the order of their positions), as the worker records them.
+    indices: dict[int, list[Tensor]] = dataclasses.field(default_factory=dict)
 
 
 @torch.inference_mode()
 def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size: int = 32,
-                       max_new_tokens: int = 16,
-                       prompt_len: int | None = None) -> HeadsRun:  # fmt: skip
+                       max_new_tokens: int = 16, prompt_len: int | None = None,
+                       start: HeadsRun | None = None) -> HeadsRun:  # fmt: skip
     """A pipeline whose heads own their memory (adakv), step by step with ``kv_decode``: the
     reference for the worker's per-head layout evicted again at decode.
 
@@ -231,8 +241,10 @@ def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size:
 
     ``prompt_len``: as in :func:`~obcache_vllm.evidence.hf_reference.run_evicting` (a
     preempted request recomputing its output: the tokens after the prompt are one segment of
-    decode-time queries, with the block rule's order at its end). Models whose every layer
-    evicts only (no hybrid sliding-window layers).
+    decode-time queries, with the block rule's order at its end). ``start``: a previous run
+    whose final cache this one continues, as a session's next turn continues its per-head
+    layout (``input_ids`` begins with its ``start.length`` tokens; only the rest is computed).
+    Models whose every layer evicts only (no hybrid sliding-window layers).
     """
     from transformers import DynamicCache
 
@@ -255,10 +267,17 @@ def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size:
     cache = DynamicCache(config=model.config)
     layers: list[_HeadLayer] = []
     captured: dict[int, Tensor] = {}
-    dead, past_point = 0, False
+    dead, past_point, begin = 0, False, 0
+    if start is not None:
+        cache = copy.deepcopy(start.cache)
+        cache.crop(start.length)
+        layers = [_HeadLayer([p.clone() for p in lay.positions], list(lay.compacted))
+                  for lay in start.layers]  # fmt: skip
+        dead, begin = start.dead, start.length
     orders: list[tuple[int, bool]] = []
     history: list[dict[int, list[Tensor]]] = []
     kept: dict[int, list[Tensor]] = {}
+    indices: dict[int, list[Tensor]] = {}
     _register()
     previous = model.config._attn_implementation
 
@@ -308,7 +327,7 @@ def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size:
         return k, v, k_pos, lengths
 
     def evict_or_score(logical_len: int, prefill: bool, q_count: int) -> None:
-        nonlocal dead, past_point, kept
+        nonlocal dead, past_point, kept, indices
         order = None
         if not past_point:
             if logical_len >= point:
@@ -319,7 +338,7 @@ def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size:
             order = plan_eviction(logical_len=logical_len, budget=options.budget,
                                   dead_blocks=dead, block_size=block_size)  # fmt: skip
         prompt_end = prefill and logical_len >= length
-        new_kept = {}
+        new_kept, new_indices = {}, {}
         for i, lay in enumerate(layers):
             q_new = captured[i][-q_count:]
             if prefill and window:
@@ -362,13 +381,14 @@ def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size:
             if logical_len >= point:
                 lay.queries = None
             new_kept[evict[i]] = [pos.clone() for pos in lay.positions]
+            new_indices[evict[i]] = chosen
         if order is not None:
             dead = order.dead_after
             orders.append((logical_len, prefill))
             history.append(new_kept)
-            kept = new_kept
+            kept, indices = new_kept, new_indices
 
-    at, logits = 0, None
+    at, logits = begin, None
     for end in sorted({point, length, total}):
         if end <= at:
             continue
@@ -388,4 +408,5 @@ def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size:
         position += 1
         evict_or_score(position, prefill=False, q_count=1)
     return HeadsRun(kept=kept, orders=orders, history=history, token_ids=tokens,
-                    logits=torch.stack(rows))  # fmt: skip
+                    logits=torch.stack(rows), layers=layers, cache=cache, dead=dead,
+                    length=position, indices=indices)  # fmt: skip

@@ -7,8 +7,9 @@ attribute                                       what
 ==============================================  ===========================================
 ``SchedulerOutput.obcache_orders``              ``{req_id: EvictionOrder}`` of the step
 ``SchedulerOutput.obcache_disabled``            requests whose eviction the scheduler stopped
-``SchedulerOutput.obcache_starts``              ``{req_id: dead}``: a new or resumed request
-                                                whose cache starts from a compressed entry
+``SchedulerOutput.obcache_starts``              ``{req_id: (dead, layout)}``: a new or resumed
+                                                request whose cache starts from a compressed
+                                                entry (layout: a per-head one, or None)
 ``SchedulerOutput.obcache_verify``              the KV oracle's checks of the step (entries
                                                 made, adoptions; verification mode only)
 ``ModelRunnerOutput.obcache_report``            the worker's :class:`EvictionReport`

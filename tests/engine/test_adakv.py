@@ -335,3 +335,55 @@ def test_adakv_with_kv_decode_at_the_pools_limit_holds_what_snapkv_holds(driver,
     assert held["dec-ada0"] == held["dec-snap0"]
     assert engine.runner.obcache.records[rid["dec-ada0"]][":orders"][-1][0] > len(ids[0]) + 64
     assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
+# -- sessions: the per-head layout continued turn after turn -------------------------------------
+def _turn(engine, prompts, extras, max_tokens=12):
+    """Greedy tokens, ``usage.obcache`` and the worker's record of each request, one batch."""
+    from vllm import SamplingParams
+
+    records = engine.runner.obcache.records
+    before = set(records)
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                             extra_args=extra) for extra in extras]  # fmt: skip
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)  # fmt: skip
+    by_id = {rid.rsplit("-", 1)[0]: records[rid] for rid in records if rid not in before}
+    return [(list(o.outputs[0].token_ids), (o.kv_transfer_params or {}).get("obcache"),
+             by_id.get(o.request_id)) for o in outs]  # fmt: skip
+
+
+def test_adakv_sessions_continue_the_per_head_layout_as_the_reference(engine, cases, hf_model,
+                                                                        tokenizer):  # fmt: skip
+    """``kv_session`` with adakv: each turn's final cache, laid out per head, is left as a
+    session entry that carries its per-head counts; the next turn adopts it, its worker reads
+    and re-selects each head over its own entries at the new prompt's end. Two conversations
+    of three turns in flight together beside a stock request: each turn exactly the HF
+    reference continuing its own per-head cache (``start=``), the same kept indices per layer
+    and head at its order and the same tokens; the stock request gives its tokens alone."""
+    kv = {**ADA, "kv_session": True}
+    prompts, stock_ids = [cases[0][0], cases[1][0]], cases[2][0]
+    stock_alone = _turn(engine, [stock_ids], [None], 24)[0][0]
+    previous = [None, None]
+    for turn in range(3):
+        *chats, (stock, _, _) = _turn(engine, [*prompts, stock_ids], [kv, kv, None], 24)
+        assert stock == stock_alone
+        for c, (out, usage, record) in enumerate(chats):
+            prompt = prompts[c]
+            if turn:
+                assert usage["reused_from"] == "session", usage
+                assert usage["session_turn"] == turn + 1, usage
+            options = parse_kv_options(kv, len(prompt))
+            run = hb.run_evicting_heads(hf_model, torch.tensor(prompt), options, BS, 24,
+                                        start=previous[c])  # fmt: skip
+            assert run.orders == [(len(prompt), True)], run.orders  # each turn evicts at its end
+            for layer, want in run.indices.items():
+                got = record[f"model.layers.{layer}.self_attn.attn"]
+                assert [g.tolist() for g in got] == [w.tolist() for w in want], (c, turn, layer)
+            assert out == run.token_ids, (c, turn)
+            counts = {tuple(len(p) for p in kept) for kept in run.kept.values()}
+            assert len(counts) > 1  # the heads keep different counts, layer by layer
+            previous[c] = run
+            prompts[c] = prompt + out + tokenizer(
+                f" Question {turn}: which code was named in the document above, and where?"
+            ).input_ids

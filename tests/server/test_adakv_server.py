@@ -1,7 +1,7 @@
 """``kv_pipeline: adakv`` through the real server: served with its outcome in ``usage.obcache``
-and the eviction metrics, also with ``kv_decode``; refused with a 400 naming the field for
-every other option that would read or rewrite its per-head layout, and the server keeps
-serving."""
+and the eviction metrics, also with ``kv_decode`` and in sessions (vLLM's ``session_id``);
+refused with a 400 naming the field for every other option that would read or rewrite its
+per-head layout, and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -48,9 +48,27 @@ def test_adakv_with_kv_decode_evicts_again_while_it_decodes(server: Server) -> N
     assert 64 <= held <= 64 + 2 * BLOCK, kv
 
 
+def test_adakv_sessions_continue_over_http_with_vllms_session_id(server: Server) -> None:
+    """vLLM's own ``session_id`` on adakv requests: the second turn continues the first's
+    per-head cache (``reused_from: session``) and evicts again at its prompt's end."""
+    first = {**_body(kv_budget=64, kv_pipeline="adakv"), "session_id": "ada-chat-1",
+             "max_tokens": 16, "ignore_eos": True}  # fmt: skip
+    code, reply = server.post_json("/v1/chat/completions", first)
+    assert code == 200, reply
+    assert reply["usage"]["obcache"]["evictions"] == 1, reply["usage"]
+    answer = reply["choices"][0]["message"]["content"]
+    messages = [*first["messages"], {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And which record came last? " * 3}]  # fmt: skip
+    code, reply = server.post_json("/v1/chat/completions", {**first, "messages": messages})
+    assert code == 200, reply
+    kv = reply["usage"]["obcache"]
+    assert kv["reused_from"] == "session" and kv["session_turn"] == 2, kv
+    assert kv["pipeline"] == "adakv" and kv["evictions"] >= 1, kv
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("kv_session", True), ("kv_prefill_evict", True),
+    [("kv_prefill_evict", True),
      ("kv_when", "pressure"), ("kv_budget", {"max_error": 0.05})],  # fmt: skip
 )
 def test_adakv_refusals_are_400_naming_the_field(server: Server, field, value) -> None:

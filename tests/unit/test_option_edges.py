@@ -95,7 +95,6 @@ def test_the_wire_form_round_trips_and_refuses_what_it_does_not_know():
     ("extra", "field"),
     [
         pytest.param({"kv_prefill_evict": True}, "kv_prefill_evict", id="prefill-evict"),
-        pytest.param({"kv_session": True}, "kv_session", id="session"),
         pytest.param({"kv_when": "pressure"}, "kv_when", id="pressure"),
         pytest.param({"kv_budget": {"max_error": 0.05}}, "kv_budget", id="error-target"),
     ],
@@ -120,13 +119,20 @@ def test_adakv_takes_a_layer_ranking_default_without_effect():
     assert parse_kv_options({**BUDGET, "kv_pipeline": "adakv", "kv_per_head": False}, 500)
 
 
-def test_adakv_never_joins_a_session_of_its_own_accord():
+def test_adakv_takes_sessions_but_auto_never_starts_one():
+    """A session carries adakv's per-head layout (``kv_session``, or vLLM's ``session_id``);
+    ``kv_compress_at: "auto"`` never starts one for it, tentative or continued (its caches
+    become no entry to share at a compress point)."""
     from obcache_vllm.options import parse_request
 
+    assert parse_kv_options({**BUDGET, "kv_pipeline": "adakv", "kv_session": True}, 500).session
     request = parse_request({**BUDGET, "kv_pipeline": "adakv", "kv_compress_at": "auto"})
-    assert not request.joins_session()
+    assert request.joins_session()  # vLLM's session_id
+    assert request.resolve(500, session_id="chat-1").session
     first = request.resolve(500, auto_point=None, auto_session=True)
     assert not first.session and not first.tentative
+    again = request.resolve(500, auto_point=None, auto_session=False)
+    assert not again.session and not again.tentative and again.compress_at is None
     assert parse_kv_options({**BUDGET, "kv_pipeline": "adakv", "kv_compress_at": 300}, 500)
 
 

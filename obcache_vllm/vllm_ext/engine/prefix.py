@@ -253,7 +253,7 @@ class PrefixAdapter:
         blocks.adopt(CacheStart(kind, entry.tokens, entry.dead, depth=entry.depth,
                                 kept_prompt=entry.kept_prompt, entry_id=entry.entry_id,
                                 donor=entry.donor, chosen=entry.chosen,
-                                error=entry.error))  # fmt: skip
+                                error=entry.error, head_layout=entry.head_layout))  # fmt: skip
         full = entry.tokens // self.block_size
         copies = sum(1 for i in blocks.copy_on_write(full) if i >= entry.dead)
         copies += 1 if entry.tokens % self.block_size else 0  # vLLM copies a partial last block
@@ -429,6 +429,7 @@ class PrefixAdapter:
             donor=request.request_id,
             source_ids=tuple(b.block_id for b in live),
             error=blocks.conversation_error if blocks.options.max_error is not None else None,
+            head_layout=blocks.head_layout,
         )
         parent = blocks.start.entry_id if blocks.start and blocks.start.compressed else None
         # A turn that continued its parent: the new entry holds every block the two share, so

@@ -245,9 +245,10 @@ class OBCacheScheduler(Scheduler):
             setattr(output, VERIFY_ATTR, self._verify_note(starts))
         return output
 
-    def _admitted(self, output) -> dict[str, int]:
+    def _admitted(self, output) -> dict[str, tuple[int, tuple | None]]:
         """This step's new or resumed budgeted requests: their lookups counted (once per
-        admission), and the dead blocks of those that adopted an entry."""
+        admission), and, for those that adopted an entry, its dead blocks and per-head layout
+        (None: one table for every head)."""
         starts = {}
         admitted = [new.req_id for new in output.scheduled_new_reqs]
         admitted += list(output.scheduled_cached_reqs.resumed_req_ids)
@@ -257,10 +258,10 @@ class OBCacheScheduler(Scheduler):
                 continue
             self.obcache_prefix.admitted(blocks)
             if blocks.start is not None and blocks.start.compressed:
-                starts[req_id] = blocks.start.dead
+                starts[req_id] = (blocks.start.dead, blocks.start.head_layout)
         return starts
 
-    def _verify_note(self, starts: dict[str, int]) -> VerifyNote:
+    def _verify_note(self, starts: dict[str, tuple]) -> VerifyNote:
         """What the worker's KV oracle checks this step (verification mode)."""
         entries = tuple(
             EntryNote(e.entry_id, e.donor or "?", e.tokens, e.dead, e.source_ids, e.block_ids)

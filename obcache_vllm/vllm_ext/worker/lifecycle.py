@@ -130,11 +130,14 @@ class WorkerEviction:
                 while len(self.records) > _MAX_RECORDS:
                     self.records.popitem(last=False)
         # Requests that start from a compressed entry (adopted as a prefix-cache hit): their
-        # first dead blocks are null in the block table.
-        for req_id, dead in (getattr(scheduler_output, STARTS_ATTR, None) or {}).items():
+        # first dead blocks are null in the block table; a session of a pipeline whose heads
+        # own their memory continues its per-head layout.
+        for req_id, (dead, layout) in (getattr(scheduler_output, STARTS_ATTR, None) or {}).items():
             state = self.states.get(req_id)
             if state is not None:
                 state.dead = dead
+                if layout is not None:
+                    state.head_layout = HeadLayout.from_wire(layout)
         note = getattr(scheduler_output, VERIFY_ATTR, None)
         self._verify = note
         if note is not None and note.entries:  # before vLLM runs the step's copies
@@ -328,9 +331,10 @@ class WorkerEviction:
                     "its cache is torn: finished with an error" if torn
                     else "continues uncompressed",
                 )  # fmt: skip
+            layout = state.head_layout
             states[row.req_id] = RowState(
                 state.dead, state.evictions, state.tokens_evicted, state.kept_prompt,
-                state.chosen,
+                state.chosen, None if layout is None else layout.to_wire(),
             )
         self.report = EvictionReport(
             applied=tuple(applied),

@@ -90,6 +90,9 @@ def draw_profile(d: Draw, kind: str) -> dict[str, Any]:
             f["kv_session"] = True
     elif kind == "adakv":
         f["kv_pipeline"] = "adakv"
+        f["kv_decode"] = _flag(d, 40)
+        if _flag(d, 40):  # its per-head layout carried to the next turn
+            f["kv_session"] = True
     elif kind == "h2o":
         f["kv_pipeline"] = "h2o"
         f["kv_scorer"] = d.pick(("obcache_key", "attn"))

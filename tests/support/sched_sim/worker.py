@@ -215,7 +215,7 @@ class SymbolicWorker:
             elif ids is not None:
                 w.block_ids.extend(ids[0])
             w.computed = cached.num_computed_tokens[i]
-        for req_id, dead in starts.items():
+        for req_id, (dead, _layout) in starts.items():
             w = self.requests.get(req_id)
             if w is not None and w.cache.dead != dead:
                 self.violate("start_dead", f"{req_id}: starts with {dead} dead, expected "
