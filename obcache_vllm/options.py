@@ -10,7 +10,7 @@ the resolved options (:class:`KvOptions`), the wire form, the server's built-in 
 (``tests/server/test_fuzz.py``). Adding an option is adding a row
 (``tests/unit/test_option_table.py`` adds a throwaway one and follows it everywhere), then
 ``scripts/gen_reference.py``, which also rewrites the ``TYPE_CHECKING`` declarations of
-:class:`KvRequest` and :class:`KvOptions` at the end of this module (their fields as a reader
+:class:`KvRequest` and :class:`KvOptions` after the table in this module (their fields as a reader
 or a type checker sees them; a test checks them against the table's classes).
 
 Three shapes, one direction (the front end makes the first two, every later process decodes
@@ -521,8 +521,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "the prompt) it shares with a recent one, else all but its last token, as a tentative "
         "`kv_session` (its final cache is kept for a next turn while the pool has room, and "
         "its compressed prompt for a repeat of it); the server policy's default budget "
-        "uses it. With `h2o` or `adakv`, whose caches never become entries to share, "
-        '`"auto"` is the whole prompt. On an engine that serves no session (speculative '
+        'uses it. With `h2o` or `adakv`, `"auto"` is the whole prompt and starts no session '
+        "(neither leaves an entry at a compress point; adakv takes sessions when asked, with "
+        "`kv_session` or `session_id`). On an engine that serves no session (speculative "
         "decoding, Gemma 2/3's sliding-window layers, prefix caching off) it starts none: it "
         "compresses at the shared prefix it chose, else the whole prompt. Unset: the whole "
         "prompt",

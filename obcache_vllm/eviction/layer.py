@@ -240,6 +240,8 @@ def _heads_after_attention(plan, row: RowPlan, layer: str, q_rows, query, view, 
     kept = pipeline.select_heads(scores, tail=tail, body_blocks=body_blocks, block_size=bs,
                                  recent=opts.recent, sinks=opts.sinks, lengths=lengths)  # fmt: skip
     _write_heads(plan, row, layer, view, blocks, k_heads, v_heads, kept, tail, body_blocks)
+    if row.logical_len >= opts.compress_point(row.prompt_len):
+        state.queries.pop(layer, None)  # a session turn's window: read at its order only
     if state.record is not None:
         key = layer + ":positions"
         state.record[layer] = kept

@@ -107,6 +107,9 @@ class RequestBlocks:
     chosen: tuple[int, float] | None = None
     # A pipeline whose heads own their memory: its per-head layout as last reported.
     head_layout: tuple | None = None
+    # Tokens resident when its compress point was reached (before that order): what an error
+    # target that chose nothing there keeps while it decodes.
+    point_resident: int | None = None
     # Why eviction stopped for this request ("stage: reason"); it then runs uncompressed.
     disabled: str | None = None
     # False when vLLM itself skips the prefix cache for it (e.g. prompt logprobs requested).
@@ -292,6 +295,8 @@ class RequestBlocks:
             dead_blocks=self.dead,
             block_size=self.block_size,
         )
+        if final and not decoding:
+            self.point_resident = logical_len - self.dead * self.block_size
         self.past_point = self.past_point or final
         if order is not None and self.options.max_error is not None and not decoding:
             order = dataclasses.replace(order, max_error=self.error_allowance)
@@ -302,11 +307,13 @@ class RequestBlocks:
         """The tokens a decode-time order keeps (``kv_decode``): the budget; for an error
         target, the count it chose at its compress point (its memory from then on, as a fixed
         budget of that count), or, where no whole block could go there and nothing was
-        chosen, the tokens it kept (all of them up to the point)."""
+        chosen, the tokens resident at the point (past an adopted entry's dead blocks)."""
         if self.options.max_error is None:
             return self.options.budget
         if self.chosen is not None:
             return self.chosen[0]
+        if self.point_resident is not None:
+            return max(self.point_resident, self.options.budget)
         return max(self.point, self.options.budget)
 
     @property
@@ -412,6 +419,7 @@ class RequestBlocks:
         self.kept_prompt = None
         self.chosen = None
         self.head_layout = None
+        self.point_resident = None
         self.start = None
         if self.pressure == "running":  # recomputed: as stock again until the pool is short
             self.pressure = self.pressure_at = None
@@ -424,6 +432,7 @@ class RequestBlocks:
             self.kept_prompt = None
             self.chosen = None
             self.head_layout = None
+            self.point_resident = None
             self.start = None
 
     def adopt(self, start: CacheStart) -> None:

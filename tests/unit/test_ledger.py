@@ -150,3 +150,25 @@ def test_an_admission_under_pressure_that_fails_is_withdrawn():
     assert blocks.prefill_evicts and not blocks.on_pressure and not blocks.reads_cache
     blocks.withdraw_pressure_admission()
     assert blocks.on_pressure and blocks.pressure is None and blocks.reads_cache
+
+
+def test_a_target_decodes_to_the_count_it_chose_or_what_was_resident_at_its_point():
+    """``kv_decode`` with an error target: the prompt's order carries the target, decode-time
+    orders do not and keep the count chosen at the point; where nothing was chosen (no whole
+    block could go there), what was resident at the point, past an adopted entry's dead
+    blocks (not the whole point)."""
+    target = {"kv_budget": {"max_error": 0.05, "min": 80}, "kv_decode": True,
+              "kv_pipeline": "tova"}  # fmt: skip
+    _, blocks = _open(prompt_len=600, **target)
+    first = blocks.can_compact(600, is_prefill_chunk=True)
+    assert first is not None and first.max_error is not None
+    blocks.commit(RowState(15, 1, 480, chosen=(120, 0.01)))  # chose 120 of 600
+    assert blocks.decode_budget == 120
+    later = next(o for n in range(601, 700) if (o := blocks.can_compact(n, False)) is not None)
+    assert later.max_error is None and 120 <= later.kept < 120 + BS  # as a fixed budget of 120
+    # An adopted session entry of 3 dead blocks, then nothing can go at the point (104
+    # resident, the floor 80: less than a block over it).
+    _, adopted = _open(prompt_len=200, **target)
+    adopted.adopt(CacheStart("session", 150, dead=3))
+    assert adopted.can_compact(200, is_prefill_chunk=True) is None
+    assert adopted.decode_budget == 200 - 3 * BS
