@@ -249,9 +249,13 @@ def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size:
     from transformers import DynamicCache
 
     from obcache_vllm.eviction.heads import body_shape
-    from obcache_vllm.eviction.planning import plan_eviction
     from obcache_vllm.eviction.step import RequestKvState
-    from obcache_vllm.evidence.hf_reference import _capturing_queries, _geometry, evicting_layers
+    from obcache_vllm.evidence.hf_reference import (
+        _capturing_queries,
+        _geometry,
+        block_rule,
+        evicting_layers,
+    )
 
     ids = input_ids.reshape(-1)
     total = ids.numel()
@@ -328,15 +332,8 @@ def run_evicting_heads(model, input_ids: Tensor, options: KvOptions, block_size:
 
     def evict_or_score(logical_len: int, prefill: bool, q_count: int) -> None:
         nonlocal dead, past_point, kept, indices
-        order = None
-        if not past_point:
-            if logical_len >= point:
-                order = plan_eviction(logical_len=logical_len, budget=options.budget,
-                                      dead_blocks=dead, block_size=block_size)  # fmt: skip
-            past_point = logical_len >= point
-        elif options.decode and not prefill:
-            order = plan_eviction(logical_len=logical_len, budget=options.budget,
-                                  dead_blocks=dead, block_size=block_size)  # fmt: skip
+        order, past_point = block_rule(options, logical_len, prefill, past_point, point, dead,
+                                       block_size)  # fmt: skip
         prompt_end = prefill and logical_len >= length
         new_kept, new_indices = {}, {}
         for i, lay in enumerate(layers):

@@ -432,6 +432,24 @@ class Evicting:
     length: int = 0
 
 
+def block_rule(options: KvOptions, logical_len: int, prefill: bool, past_point: bool, point: int,
+               dead: int, block_size: int) -> tuple[EvictionOrder | None, bool]:  # fmt: skip
+    """The scheduler's block rule after one step that leaves ``logical_len`` tokens: the order
+    (None: no whole block goes) and whether the compress point has been passed. Before the
+    point only with ``kv_prefill_evict``, at it always, after it at decode steps with
+    ``kv_decode`` (as :meth:`obcache_vllm.eviction.ledger.RequestBlocks.can_compact`)."""
+    order = None
+    if not past_point:
+        if logical_len >= point or options.prefill_evict:
+            order = plan_eviction(logical_len=logical_len, budget=options.budget,
+                                  dead_blocks=dead, block_size=block_size)  # fmt: skip
+        past_point = logical_len >= point
+    elif options.decode and not prefill:
+        order = plan_eviction(logical_len=logical_len, budget=options.budget, dead_blocks=dead,
+                              block_size=block_size)  # fmt: skip
+    return order, past_point
+
+
 @torch.inference_mode()
 def run_evicting(
     model,
@@ -536,15 +554,8 @@ def run_evicting(
     def evict_or_score(logical_len: int, prefill: bool, q_count: int) -> None:
         """One step's scoring and, if the block rule allows, eviction (every layer)."""
         nonlocal dead, past_point, kept
-        order = None
-        if not past_point:
-            if logical_len >= point or options.prefill_evict:
-                order = plan_eviction(logical_len=logical_len, budget=options.budget,
-                                      dead_blocks=dead, block_size=block_size)  # fmt: skip
-            past_point = logical_len >= point
-        elif options.decode and not prefill:
-            order = plan_eviction(logical_len=logical_len, budget=options.budget,
-                                  dead_blocks=dead, block_size=block_size)  # fmt: skip
+        order, past_point = block_rule(options, logical_len, prefill, past_point, point, dead,
+                                       block_size)  # fmt: skip
         prompt_end = prefill and logical_len >= length
         new_kept = {}
         for i, lay in enumerate(layers):

@@ -41,16 +41,7 @@ def _layer(name: str) -> int:
 
 def _generate(engine, prompts, extras, max_tokens=NEW):
     """Greedy tokens and the worker's records of each request, all in one batch."""
-    from vllm import SamplingParams
-
-    records = engine.runner.obcache.records
-    before = set(records)
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                             extra_args=extra) for extra in extras]  # fmt: skip
-    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)  # fmt: skip
-    by_id = {rid.rsplit("-", 1)[0]: records[rid] for rid in records if rid not in before}
-    return [(list(o.outputs[0].token_ids), by_id.get(o.request_id)) for o in outs]
+    return [(tokens, record) for tokens, _, record in _turn(engine, prompts, extras, max_tokens)]
 
 
 def _kept_masks(record, length: int) -> dict[int, torch.Tensor]:
