@@ -94,19 +94,26 @@ def test_adakv_keeps_the_references_entries_and_generates_its_tokens(engine, cas
         assert logits.argmax(-1).tolist() == tokens, "vLLM's tokens are the masked argmax"
 
 
-def test_adakv_blocks_follow_the_sum_of_its_heads_kept_tokens(driver, cases):
-    engine, ids = driver.engine, cases[2][0]
-    ada = driver.add("sum-ada", ids, 40, ignore_eos=True, **ADA)
-    snap = driver.add("sum-snap", ids, 40, ignore_eos=True, kv_budget=BUDGET,
-                      kv_pipeline="snapkv")  # fmt: skip
-    sched = engine.scheduler
-    held = {ada: [], snap: []}
+def _held_once_evicted(driver, rids) -> dict[str, list[tuple[int, int]]]:
+    """Run the driver to the end; per request, (tokens computed, blocks held in vLLM's pool)
+    after every step from its first eviction on."""
+    engine, sched = driver.engine, driver.engine.scheduler
+    held = {rid: [] for rid in rids}
     while engine.llm.llm_engine.has_unfinished_requests():
         driver.step()
         for rid in held:
             if rid in sched.requests and sched.obcache_states[rid].dead:
                 held[rid].append((sched.requests[rid].num_computed_tokens,
                                   engine.live_blocks(rid)))  # fmt: skip
+    return held
+
+
+def test_adakv_blocks_follow_the_sum_of_its_heads_kept_tokens(driver, cases):
+    engine, ids = driver.engine, cases[2][0]
+    ada = driver.add("sum-ada", ids, 40, ignore_eos=True, **ADA)
+    snap = driver.add("sum-snap", ids, 40, ignore_eos=True, kv_budget=BUDGET,
+                      kv_pipeline="snapkv")  # fmt: skip
+    held = _held_once_evicted(driver, (ada, snap))
     assert held[ada] and held[ada] == held[snap], "adakv holds what uniform snapkv holds"
     record = engine.runner.obcache.records[ada]
     masks = _kept_masks(record, len(ids))
@@ -295,14 +302,7 @@ def test_adakv_with_kv_decode_holds_what_snapkv_with_kv_decode_holds(driver, cas
     ada = driver.add("dec-sum-ada", ids, 96, ignore_eos=True, **decode)
     snap = driver.add("dec-sum-snap", ids, 96, ignore_eos=True,
                       **{**decode, "kv_pipeline": "snapkv"})  # fmt: skip
-    sched = engine.scheduler
-    held = {ada: [], snap: []}
-    while engine.llm.llm_engine.has_unfinished_requests():
-        driver.step()
-        for rid in held:
-            if rid in sched.requests and sched.obcache_states[rid].dead:
-                held[rid].append((sched.requests[rid].num_computed_tokens,
-                                  engine.live_blocks(rid)))  # fmt: skip
+    held = _held_once_evicted(driver, (ada, snap))
     assert held[ada] and held[ada] == held[snap], "adakv holds what uniform snapkv holds"
     assert engine.runner.obcache.records[ada][":orders"][-1][0] > len(ids) + 64
     assert engine.free_blocks() == POOL_BLOCKS - 1
