@@ -146,11 +146,31 @@ def test_adakv_preempted_after_its_eviction_is_recomputed_to_the_same_tokens(dri
     assert engine.free_blocks() == POOL_BLOCKS - 1
 
 
+def _all_at_once_with_the_last_aborted(driver, plan, new: int, abort_after: int) -> None:
+    """``plan``: (name, prompt, kv fields) of requests sent at once, the last one aborted after
+    ``abort_after`` steps. Each of the others equals its run alone, they ran in flight
+    together (some queued), and every block goes back to the pool."""
+    engine = driver.engine
+    alone = {name: _generate(engine, [prompt], [extra], max_tokens=new)[0][0]
+             for name, prompt, extra in plan[:-1]}  # fmt: skip
+    rid = {name: driver.add(name, prompt, new, ignore_eos=True, **(extra or {}))
+           for name, prompt, extra in plan}  # fmt: skip
+    for _ in range(abort_after):
+        driver.step()
+    gone = plan[-1][0]
+    engine.llm.llm_engine.abort_request([gone])
+    out = driver.run()
+    assert max(len(step) for step in driver.trace) >= 6  # in flight together, some queued
+    for name, _, _ in plan[:-1]:
+        assert out[rid[name]] == alone[name], name
+    assert len(out.get(rid[gone], [])) < new
+    assert engine.free_blocks() == POOL_BLOCKS - 1
+
+
 def test_adakv_at_the_pools_limit_with_other_budgets_of_one_prompt_and_an_abort(driver, cases):
     """Eight requests at once over a 96-block pool (three prompts of 769-951 tokens: about
     three fit uncompressed), two adakv budgets and snapkv on the same prompt, stock ones, one
     aborted mid-way; each output equals its run alone."""
-    engine = driver.engine
     ids = [ids for ids, _ in cases[:3]]
     # Request ids of their own: other tests find their requests by id prefix in the
     # scheduler's finished records, which outlive a test.
@@ -160,20 +180,7 @@ def test_adakv_at_the_pools_limit_with_other_budgets_of_one_prompt_and_an_abort(
         ("limit-ada1", ids[1], ADA), ("limit-stock1", ids[1], None),
         ("limit-ada2", ids[2], ADA), ("limit-gone", ids[2], ADA),
     ]  # fmt: skip
-    alone = {}
-    for name, prompt, extra in plan[:-1]:
-        alone[name] = _generate(engine, [prompt], [extra], max_tokens=24)[0][0]
-    rid = {name: driver.add(name, prompt, 24, ignore_eos=True, **(extra or {}))
-           for name, prompt, extra in plan}  # fmt: skip
-    for _ in range(6):
-        driver.step()
-    engine.llm.llm_engine.abort_request(["limit-gone"])
-    out = driver.run()
-    assert max(len(step) for step in driver.trace) >= 6  # in flight together, some queued
-    for name, _, _ in plan[:-1]:
-        assert out[rid[name]] == alone[name], name
-    assert len(out.get(rid["limit-gone"], [])) < 24
-    assert engine.free_blocks() == POOL_BLOCKS - 1
+    _all_at_once_with_the_last_aborted(driver, plan, 24, abort_after=6)
 
 
 @pytest.mark.parametrize(("fault", "fate"), [("score", "length"), ("compact:5", "error")],
@@ -315,7 +322,6 @@ def test_adakv_with_kv_decode_at_the_pools_limit_with_an_abort(driver, cases):
     equals its run alone and every block goes back to the pool. (Which of them the pool runs
     first, or preempts, depends on what the prefix cache holds, so blocks are compared in the
     test above, not here.)"""
-    engine = driver.engine
     ids = [ids for ids, _ in cases[:3]]
     decode = {**ADA, "kv_decode": True}
     plan = [
@@ -324,20 +330,7 @@ def test_adakv_with_kv_decode_at_the_pools_limit_with_an_abort(driver, cases):
         ("dec-ada1", ids[1], decode), ("dec-once1", ids[1], ADA),
         ("dec-stock2", ids[2], None), ("dec-gone", ids[2], decode),
     ]  # fmt: skip
-    new = 96
-    alone = {name: _generate(engine, [prompt], [extra], max_tokens=new)[0][0]
-             for name, prompt, extra in plan[:-1]}  # fmt: skip
-    rid = {name: driver.add(name, prompt, new, ignore_eos=True, **(extra or {}))
-           for name, prompt, extra in plan}  # fmt: skip
-    for _ in range(8):
-        driver.step()
-    engine.llm.llm_engine.abort_request(["dec-gone"])
-    out = driver.run()
-    assert max(len(step) for step in driver.trace) >= 6  # in flight together, some queued
-    for name, _, _ in plan[:-1]:
-        assert out[rid[name]] == alone[name], name
-    assert len(out.get(rid["dec-gone"], [])) < new
-    assert engine.free_blocks() == POOL_BLOCKS - 1
+    _all_at_once_with_the_last_aborted(driver, plan, 96, abort_after=8)
 
 
 # -- sessions: the per-head layout continued turn after turn -------------------------------------
