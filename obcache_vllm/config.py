@@ -10,7 +10,8 @@ Sources, later wins:
    (values are parsed as YAML scalars: ``0.25`` is a float, ``true`` a boolean, ``null`` none).
 
 Validated once, at server start (:func:`load_policy` raises :class:`ConfigError` naming the
-source and the key). A request field always overrides its default (:func:`merge_request`).
+source and the key). A request field always overrides its default
+(:func:`obcache_vllm.admission.merge_fields`).
 
 The operator's policy: a default ``kv_budget`` (with ``kv_when: pressure``, compression only
 when the pool is short) applies to every request that sets no budget, or, with
@@ -34,17 +35,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from obcache_vllm import options, settings
+from obcache_vllm import admission, options, settings
+from obcache_vllm.admission import COMPRESS_AT_KEY, MIN_PROMPT_KEY, Policy
 
 CONFIG_ENV = settings.CONFIG
 ENV_PREFIX = settings.KV_PREFIX
-MIN_PROMPT_KEY = "min_prompt_tokens"  # policy: the default budget's smallest prompt
 MIN_PROMPT_ENV = settings.MIN_PROMPT_TOKENS
-COMPRESS_AT_KEY = "compress_at"  # policy: where the default budget compresses
 COMPRESS_AT_ENV = settings.POLICY_COMPRESS_AT
 # The policy's own keys (beside the kv_* defaults): YAML key -> (environment variable, default).
 POLICY_KEYS: dict[str, tuple[str, Any]] = {
@@ -95,13 +94,14 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
     """Raise :class:`ConfigError` unless ``defaults`` are valid kv_* defaults.
 
-    The same parser as requests' (:func:`obcache_vllm.options.parse_kv_options`). Without a
+    The same parser as requests' (:func:`obcache_vllm.admission.parse_kv_options`: each
+    value in its domain, and the combinations admission refuses). Without a
     default budget the other options are checked against a stand-in budget; a fractional budget
     is checked against a long prompt (its value for short prompts is checked per request).
     """
-    unknown = sorted(set(defaults) - set(options.WIRE_FIELDS) - set(POLICY_KEYS))
+    unknown = sorted(set(defaults) - set(options.FIELDS) - set(POLICY_KEYS))
     if unknown:
-        known = ", ".join((*options.WIRE_FIELDS, *POLICY_KEYS))
+        known = ", ".join((*options.FIELDS, *POLICY_KEYS))
         raise ConfigError(f"{source}: unknown key {unknown[0]!r}; known: {known}")
     fixed = [k for k in PER_REQUEST_ONLY if defaults.get(k) is not None]
     if fixed:
@@ -119,46 +119,14 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
     probe = {k: v for k, v in defaults.items() if v is not None and k not in POLICY_KEYS}
     probe.setdefault("kv_budget", 1 << 20)
     try:
-        options.parse_kv_options(probe, num_prompt_tokens=1 << 20)
+        admission.parse_kv_options(probe, num_prompt_tokens=1 << 20)
     except options.KvOptionsError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
 
 
-@dataclass(frozen=True)
-class Policy:
-    """The server's kv_* defaults and when they apply (see the module docstring)."""
-
-    defaults: dict[str, Any]
-    min_prompt_tokens: int = 0
-    compress_at: str | None = options.AUTO
-
-    def document(self) -> dict[str, Any]:
-        return {
-            "defaults": dict(self.defaults),
-            MIN_PROMPT_KEY: self.min_prompt_tokens,
-            COMPRESS_AT_KEY: self.compress_at,
-        }
-
-    def fields_for(self, requested: Mapping[str, Any]) -> dict[str, Any]:
-        """The kv_* options of one request under this policy (:func:`merge_request`, then
-        the policy's compress point where its budget applies and the options allow one)."""
-        merged = merge_request(self.defaults, requested)
-        if (
-            self.compress_at is not None
-            and "kv_budget" not in requested
-            and merged.get("kv_budget") is not None
-            and not options.is_error_target(merged["kv_budget"])  # compresses the whole prompt
-            and merged.get("kv_compress_at") is None
-            and not merged.get("kv_session")
-            and not merged.get("kv_prefill_evict")
-            and merged.get("kv_when", "always") == "always"
-        ):
-            merged["kv_compress_at"] = self.compress_at
-        return merged
-
-
 def load_policy(environ: Mapping[str, str] | None = None) -> Policy:
-    """The validated policy: defaults of every wire field (``None``: no default), its keys."""
+    """The validated policy (:class:`obcache_vllm.admission.Policy`): defaults of every
+    request field (``None``: no default), its keys."""
     environ = os.environ if environ is None else environ
     defaults = load_defaults(environ, keep_policy=True)
     threshold = defaults.pop(MIN_PROMPT_KEY, 0)
@@ -178,7 +146,7 @@ def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = 
         validate_defaults(from_file, str(path))
         defaults.update(from_file)
     from_env: dict[str, Any] = {}
-    for field, raw in settings.kv_defaults(options.WIRE_FIELDS, environ).items():
+    for field, raw in settings.kv_defaults(options.FIELDS, environ).items():
         try:
             from_env[field] = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as exc:
@@ -200,23 +168,6 @@ def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = 
         for key in POLICY_KEYS:
             defaults.pop(key)
     return defaults
-
-
-def merge_request(defaults: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[str, Any]:
-    """The kv_* options of one request: its own fields over the server defaults.
-
-    ``requested`` holds the request's kv_* fields (``vllm_xargs`` and top-level, already merged).
-    A request whose budget (its own, else the default) is ``None`` gets no defaults: it stays a
-    stock request, and any other kv_* field it set is reported by validation as needing a
-    budget. ``"kv_budget": null`` in a request therefore opts out of a default budget.
-    """
-    budget = requested["kv_budget"] if "kv_budget" in requested else defaults.get("kv_budget")
-    if budget is None:
-        return {k: v for k, v in requested.items() if k != "kv_budget"}
-    merged = {k: v for k, v in defaults.items() if v is not None}
-    merged.update(requested)
-    merged["kv_budget"] = budget
-    return merged
 
 
 ENTRY_SHARE_ENV = settings.ENTRY_POOL_SHARE

@@ -14,21 +14,25 @@ the resolved options (:class:`KvOptions`), the wire form, the server's built-in 
 or a type checker sees them; a test checks them against the table's classes).
 
 Three shapes, one direction (the front end makes the first two, every later process decodes
-the third; see :mod:`obcache_vllm.vllm_ext.frontend.admission` for where each step runs)::
+the third; :mod:`obcache_vllm.admission` decides each step)::
 
-    request fields (strings, JSON)  --parse_request-->  KvRequest   what the client asked
-    KvRequest      --resolve(prompt length, context)-->  KvOptions   what this request gets
+    request fields (strings, JSON)  --admission.parse_request-->  KvRequest   what was asked
+    KvRequest      --admission.resolve(prompt length, context)-->  KvOptions   what it gets
     KvOptions      --to_wire / from_wire-->  a versioned tuple of primitives in
                    SamplingParams.extra_args["obcache"], decoded by EngineCore and the worker
 
-A request without ``kv_budget`` is a stock vLLM request: :func:`parse_request` returns ``None``
-and nothing else in obcache-vllm touches it.
+This module holds what a single field may be (each row's parser); which fields a request may
+combine, how they resolve on a prompt and what the engine refuses are admission's. A request
+without ``kv_budget`` is a stock vLLM request: the table's parser returns ``None`` and nothing
+else in obcache-vllm touches it.
 
 Budget rule (see :mod:`obcache_vllm.eviction.planning`): eviction frees whole KV blocks only,
 so the kept count K of a compressed request satisfies ``budget <= K < budget + block_size``.
 
 Every error is a :class:`KvOptionsError` naming the offending field; the front end turns it
 into vLLM's ``VLLMValidationError`` (HTTP 400) before anything is allocated for the request.
+"Wire" here is always the versioned tuple (:meth:`KvOptions.to_wire`, :data:`WIRE_VERSION`);
+the request's field names are "fields" (:data:`FIELDS`).
 Plain Python: no vLLM import.
 """
 
@@ -152,7 +156,7 @@ class ErrorTarget:
     max_error: float
     floor: int | float | None = None
 
-    def wire(self) -> str:
+    def scalar(self) -> str:
         """The scalar form (``vllm_xargs``, environment variables, the wire tuple)."""
         floor = "" if self.floor is None else f",min:{self.floor!r}"
         return f"{ERROR_KEY}:{self.max_error!r}{floor}"
@@ -263,139 +267,6 @@ def _pipeline_names() -> tuple[str, ...]:
     return pipeline_names()
 
 
-# -- refusals: what a combination of options cannot do ----------------------------------------
-def _sums_every_query(pipeline: str) -> bool:
-    from obcache_vllm.scoring import pipeline_class
-
-    return pipeline_class(pipeline).sums_every_query
-
-
-def _heads_own_memory(pipeline: str) -> bool:
-    from obcache_vllm.scoring import pipeline_class
-
-    return pipeline_class(pipeline).heads_own_memory
-
-
-def _continues(pipeline: str) -> bool:
-    """Whether its cache can be continued (``kv_session``) or start late (``kv_when``
-    "pressure"): its state lives in the cache, laid out as every pipeline's."""
-    return not _sums_every_query(pipeline) and not _heads_own_memory(pipeline)
-
-
-def _without_running_sums() -> str:
-    from obcache_vllm.scoring import pipeline_names
-
-    names = [n for n in pipeline_names() if _continues(n)]
-    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
-
-
-def _refuse_session(request: KvRequest) -> None:
-    """What a continued cache cannot carry (see ``kv_session``)."""
-    if not request.session:
-        return
-    if _sums_every_query(request.pipeline):
-        raise KvOptionsError(
-            "kv_session",
-            f"not supported with kv_pipeline {request.pipeline}: its running sums of every "
-            f"query would have to travel with the cache; use {_without_running_sums()}",
-            True,
-        )
-    for name, value in (("kv_compress_at", request.compress_at),
-                        ("kv_prefill_evict", request.prefill_evict or None)):  # fmt: skip
-        if value is not None:
-            raise KvOptionsError(
-                "kv_session", f"cannot be combined with {name} (a session compresses at the "
-                "end of each prompt)", True,
-            )  # fmt: skip
-
-
-def _refuse_pressure(request: KvRequest) -> None:
-    """What compression under pressure cannot do (see ``kv_when``)."""
-    if request.when != "pressure":
-        return
-    if _sums_every_query(request.pipeline):
-        raise KvOptionsError(
-            "kv_when",
-            f'"pressure" is not supported with kv_pipeline {request.pipeline}: it would have '
-            f"to score every query all along; use {_without_running_sums()}",
-            "pressure",
-        )
-    for name, value in (("kv_compress_at", request.compress_at),
-                        ("kv_prefill_evict", request.prefill_evict or None),
-                        ("kv_session", request.session or None)):  # fmt: skip
-        if value is not None:
-            raise KvOptionsError(
-                "kv_when", f'"pressure" cannot be combined with {name}', "pressure"
-            )
-
-
-def _refuse_heads_memory(request: KvRequest) -> None:
-    """What a pipeline whose heads own their memory (adakv) cannot do yet: its per-head layout
-    is read and rewritten at the compress point, by decode-time orders and by a session's
-    next turn only (see ``kv_pipeline``)."""
-    if not _heads_own_memory(request.pipeline):
-        return
-    budget = request.budget
-    for name, value, why in (
-        ("kv_prefill_evict", request.prefill_evict or None, "an eviction per prefill chunk"),
-        ("kv_when", None if request.when == "always" else request.when,
-         "an eviction under pressure"),
-        ("kv_budget", budget.wire() if isinstance(budget, ErrorTarget) else None,
-         "an error target"),
-    ):  # fmt: skip
-        if value is not None:
-            raise KvOptionsError(
-                name, f"not supported with kv_pipeline {request.pipeline} yet: {why} would "
-                "have to read or rewrite its per-head layout (see the per-head memory design)",
-                value,
-            )  # fmt: skip
-
-
-def _check_room(budget: int, sinks: int, recent: int) -> None:
-    if sinks + recent >= budget:
-        raise KvOptionsError(
-            "kv_budget",
-            f"budget {budget} must exceed kv_sinks + kv_recent = {sinks + recent}",
-            budget,
-        )
-
-
-def _refuse_no_room(request: KvRequest) -> None:
-    """A token budget that leaves nothing beyond the sinks and recent tokens (a fraction is
-    checked when it is resolved against a prompt); what an error target cannot serve."""
-    if isinstance(request.budget, ErrorTarget):
-        _refuse_target(request)
-        floor = request.budget.floor
-        if isinstance(floor, int):
-            _check_room(floor, request.sinks, request.recent)
-    elif isinstance(request.budget, int):
-        _check_room(request.budget, request.sinks, request.recent)
-
-
-def _refuse_target(request: KvRequest) -> None:
-    """An error target reads the window queries' outputs (or, for h2o, a score that is a share
-    of attention), at one eviction at the end of the prompt (see
-    :mod:`obcache_vllm.scoring.estimate`)."""
-    from obcache_vllm.scoring import make_scorer, pipeline_class
-
-    pipeline = pipeline_class(request.pipeline)
-    why = None
-    if not pipeline.scored:
-        why = f"kv_pipeline {request.pipeline} has no scored queries to measure the error with"
-    elif pipeline.sums_every_query and not make_scorer(request.scorer).attention_share:
-        why = (f"kv_scorer {request.scorer} with kv_pipeline {request.pipeline}: with no window "
-               "of queries kept, the error is the share of attention evicted, which needs "
-               "kv_scorer attn or value_norm (or use snapkv or tova)")  # fmt: skip
-    else:
-        for name, value in (("kv_prefill_evict", request.prefill_evict or None),
-                            ("kv_when", None if request.when == "always" else request.when)):
-            if value is not None:  # fmt: skip
-                why = f"cannot be combined with {name} yet (one eviction at the prompt's end)"
-                break
-    if why is not None:
-        raise KvOptionsError("kv_budget", f"an error target: {why}", request.budget.wire())
-
-
 # -- the table ----------------------------------------------------------------------------------
 _SAME = object()  # OptionSpec.server_default: the same as the option's own default
 
@@ -410,8 +281,8 @@ class OptionSpec:
     offline engine's default; :data:`REQUIRED` for the budget). ``server_default``: the server's
     built-in default (``None``: no server-wide default, the option depends on the request's own
     prompt). ``types``: the Python types of the resolved value (the wire form's check).
-    ``doc``: the documentation's paragraph (Markdown). ``refuse``: checks of the parsed request
-    this option brings (a combination it cannot serve), run after every field is parsed.
+    ``doc``: the documentation's paragraph (Markdown). Combinations of options a request cannot
+    have are admission's (:func:`obcache_vllm.admission.refuse_options`), not a row's.
     ``examples``: values valid on their own (the fuzzer's plausible requests; combinations are
     the refusals' business; none for a prompt position).
     """
@@ -422,7 +293,6 @@ class OptionSpec:
     types: tuple[type, ...]
     doc: str
     server_default: Any = _SAME
-    refuse: Callable[[Any], None] | None = None
     examples: tuple[Any, ...] | Callable[[], Sequence[Any]] = ()
 
     @property
@@ -457,7 +327,7 @@ REQUIRED = dataclasses.MISSING  # OptionSpec.default of an option every budgeted
 
 OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
-        "kv_budget", budget, REQUIRED, (int,), server_default=None, refuse=_refuse_no_room,
+        "kv_budget", budget, REQUIRED, (int,), server_default=None,
         doc="int >= 1: KV tokens kept per layer and KV head after eviction; float in (0, 1]: "
         "that fraction of the prompt (rounded up; of k with `kv_compress_at`). "
         '`{"max_error": e}` (or `"max_error:e"` where only scalars travel): an error target, '
@@ -475,7 +345,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "kv_pipeline", one_of(_pipeline_names), "snapkv", (str,),
-        examples=_pipeline_names, refuse=_refuse_heads_memory,
+        examples=_pipeline_names,
         doc="selection pipeline: `snapkv` (last `kv_window` queries, max-pooled), `h2o` (all "
         "prompt queries), `tova` (last query), `streaming` (sinks + recent), `adakv` "
         "(snapkv's scores, the layer's total spread over its KV heads by AdaKV's rule, each "
@@ -542,7 +412,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "that chunk's end)",
     ),
     OptionSpec(
-        "kv_session", boolean, False, (bool,), server_default=None, refuse=_refuse_session,
+        "kv_session", boolean, False, (bool,), server_default=None,
         examples=(False, True),
         doc="true: continue from the compressed cache an earlier `kv_session` request left "
         "behind, if its tokens (prompt and output, as cached) are exactly a prefix of this "
@@ -552,7 +422,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "`kv_compress_at` or `kv_prefill_evict`",
     ),
     OptionSpec(
-        "kv_when", one_of(lambda: WHEN), "always", (str,), refuse=_refuse_pressure,
+        "kv_when", one_of(lambda: WHEN), "always", (str,),
         examples=WHEN,
         doc="`\"always\"`: evict as the options say; `\"pressure\"`: run exactly as stock vLLM "
         "while the KV pool has room, and compress to the budget only when the scheduler would "
@@ -652,132 +522,12 @@ class _RequestMethods:
     __slots__ = ()
     table: OptionTable
 
-    def resolve(
-        self,
-        num_prompt_tokens: int,
-        max_model_len: int | None = None,
-        auto_point: int | None = None,
-        auto_session: bool = False,
-        session_id: str | None = None,
-        sessions: bool = True,
-    ):
-        """The options of this request on a prompt of ``num_prompt_tokens`` tokens.
-
-        ``auto_point``: for ``kv_compress_at: "auto"``, the point the front end chose from the
-        prompts it has seen (None: the whole prompt); taken only where its budget leaves room
-        beyond the sinks and recent tokens, else the whole prompt. ``auto_session``: the prompt
-        continues a recent one (a chat's next turn): it is served as ``kv_session`` instead,
-        where its options allow a session (:meth:`joins_session`). A whole-prompt ``"auto"``
-        request whose options allow one is a *tentative* session (``KvOptions.tentative``):
-        it may be a chat's first turn, so its final cache is left for a next turn, held only
-        while the pool has room to spare. ``session_id``: vLLM's own session id of the
-        request (body, ``X-Session-ID`` header or ``vllm_xargs``): the request takes part in
-        that session, as with ``kv_session`` (see :meth:`joins_session`). ``sessions``: whether
-        the engine serves sessions at all (prefix caching on, no speculative decoding, one
-        KV-cache group to evict in); without, ``"auto"`` never starts one: it compresses at the
-        point it chose, else the whole prompt, instead of a session the engine would refuse.
-
-        Raises:
-            KvOptionsError: ``kv_compress_at`` past the prompt, a budget or window beyond the
-                context, or a budget that leaves no room beyond the sinks and recent tokens.
-        """
-        if session_id and self.joins_session():
-            joined = dataclasses.replace(self, compress_at=None, session=True)
-            return joined.resolve(num_prompt_tokens, max_model_len)
-        if self.compress_at == AUTO:
-            # An error target's session is asked for explicitly (``kv_session``), never
-            # started by a continuation "auto" noticed (see joins_session).
-            if auto_session and sessions and _continues(self.pipeline) and not isinstance(
-                self.budget, ErrorTarget
-            ):
-                continued = dataclasses.replace(self, compress_at=None, session=True)
-                return continued.resolve(num_prompt_tokens, max_model_len)
-            at = auto_point
-            if at is not None and (
-                at >= num_prompt_tokens or not self._room_at(at) or not _continues(self.pipeline)
-            ):  # a point is worth compressing at only where the cache becomes an entry
-                at = None
-            if at is None and sessions and self.joins_session() and _continues(self.pipeline):
-                # Compressed whole, as a tentative session: it may be a chat's first turn. At
-                # all but its last token where the budget leaves room there (see
-                # FIRST_POINT): a repeat of the prompt then adopts this cache.
-                first_at = num_prompt_tokens - FIRST_POINT
-                first = dataclasses.replace(
-                    self, compress_at=first_at if self._room_at(first_at) else None, session=True
-                )
-                resolved = first.resolve(num_prompt_tokens, max_model_len)
-                return dataclasses.replace(resolved, tentative=True)
-            return dataclasses.replace(self, compress_at=at).resolve(
-                num_prompt_tokens, max_model_len
-            )
-        if self.compress_at is not None and self.compress_at < 0:
-            at = num_prompt_tokens + self.compress_at
-            if at < 1:
-                raise KvOptionsError(
-                    "kv_compress_at",
-                    f"{self.compress_at} reaches before the start of a {num_prompt_tokens}-token "
-                    "prompt",
-                    self.compress_at,
-                )
-            return dataclasses.replace(self, compress_at=at).resolve(
-                num_prompt_tokens, max_model_len
-            )
-        if self.compress_at is not None and self.compress_at > num_prompt_tokens:
-            raise KvOptionsError(
-                "kv_compress_at",
-                f"{self.compress_at} exceeds the prompt length {num_prompt_tokens}",
-                self.compress_at,
-            )
-        base = self.compress_at or num_prompt_tokens
-        tokens, requested, max_error = self.budget, self.budget, None
-        if isinstance(tokens, ErrorTarget):
-            requested, max_error = tokens.wire(), tokens.max_error
-            tokens = tokens.floor or self.sinks + self.recent + 1
-        if not isinstance(tokens, int):
-            tokens = max(1, math.ceil(tokens * base))
-        if max_model_len is not None and tokens > max_model_len:
-            raise KvOptionsError(
-                "kv_budget",
-                f"{bounded(tokens)} exceeds the model context length {max_model_len}",
-                tokens,
-            )
-        if max_model_len is not None and self.window > max_model_len:
-            raise KvOptionsError(
-                "kv_window",
-                f"{bounded(self.window)} exceeds the model context length {max_model_len}",
-                self.window,
-            )
-        _check_room(tokens, self.sinks, self.recent)
+    def options(self, **resolved: Any):
+        """The :class:`KvOptions` of this request's fields, with ``resolved`` over them (what
+        :func:`obcache_vllm.admission.resolve` decided on a prompt: the budget in tokens, the
+        compress point, ``requested_budget``, ``max_error``, ``tentative``)."""
         values = {spec.name: getattr(self, spec.name) for spec in self.table.specs}
-        values["budget"] = tokens
-        return self.table.options_type(**values, requested_budget=requested, max_error=max_error)
-
-    def joins_session(self) -> bool:
-        """Whether a vLLM ``session_id`` on this request makes it a ``kv_session`` request:
-        where its options allow a session (no position of its own in ``kv_compress_at``, no
-        ``kv_prefill_evict``, ``kv_when: always``, a pipeline whose state fits in the cache).
-        Elsewhere the id is vLLM's alone (routing, KV events) and the options stand: an
-        error target among them (it takes ``kv_session: true`` explicitly, each turn choosing
-        within what the earlier turns left of the target; the id, and ``"auto"``'s
-        tentative sessions, stay out of it)."""
-        return (
-            not self.session
-            and self.compress_at in (None, AUTO)
-            and not self.prefill_evict
-            and self.when == "always"
-            and not isinstance(self.budget, ErrorTarget)
-            and not _sums_every_query(self.pipeline)
-        )
-
-    def _room_at(self, at: int) -> bool:
-        """Whether compressing the first ``at`` tokens to this budget leaves room beyond
-        the sinks and recent tokens and evicts something."""
-        tokens = self.budget
-        if isinstance(tokens, ErrorTarget):
-            return False  # "auto" chooses no point for a target: it compresses whole
-        if not isinstance(tokens, int):
-            tokens = max(1, math.ceil(tokens * at))
-        return self.sinks + self.recent < tokens < at
+        return self.table.options_type(**{**values, **resolved})
 
 
 class OptionTable:
@@ -837,7 +587,13 @@ class OptionTable:
         return tuple(spec.field for spec in self.specs if spec.per_request_only)
 
     def parse_request(self, raw: Mapping[str, Any] | None):
-        """See :func:`parse_request`."""
+        """Every kv_* field of ``raw`` parsed in its own domain (a request's ``extra_args``:
+        other keys are ignored); ``None`` if it sets no budget. Combinations of fields are
+        admission's (:func:`obcache_vllm.admission.parse_request`, which calls this).
+
+        Raises:
+            KvOptionsError: an unknown ``kv_*`` key, or a value out of its domain.
+        """
         raw = {k: v for k, v in (raw or {}).items() if is_kv_option(k)}
         for key, value in raw.items():
             _check_scalar(key, value)
@@ -852,11 +608,7 @@ class OptionTable:
                 raise KvOptionsError(others[0], "requires kv_budget", raw[others[0]])
             return None
         values = {spec.name: spec.value(raw) for spec in self.specs}
-        request = self.request_type(**values)
-        for spec in self.specs:
-            if spec.refuse is not None:
-                spec.refuse(request)
-        return request
+        return self.request_type(**values)
 
 
 def _check_scalar(key: str, value: Any) -> None:
@@ -921,39 +673,12 @@ else:
     KvRequest = TABLE.request_type
     KvOptions = TABLE.options_type
 # -- end of the generated block ----------------------------------------------------------------
-WIRE_FIELDS = TABLE.fields
+FIELDS = TABLE.fields
 
 
 def default(field_name: str) -> Any:
     """The option's own default (what an unset field means)."""
     return TABLE.spec(field_name).default
-
-
-def parse_request(raw: Mapping[str, Any] | None) -> KvRequest | None:
-    """Parse and check the kv_* fields of one request; ``None`` if it sets no budget.
-
-    The one parser of request options: the front end calls it once per request (see
-    :mod:`obcache_vllm.vllm_ext.frontend.admission`). ``raw`` may hold other keys (a
-    request's ``extra_args``); only ``kv_*`` ones are read.
-
-    Raises:
-        KvOptionsError: an unknown ``kv_*`` key, or a value out of its domain.
-    """
-    return TABLE.parse_request(raw)
-
-
-def parse_kv_options(
-    extra_args: Mapping[str, Any] | None,
-    num_prompt_tokens: int,
-    max_model_len: int | None = None,
-) -> KvOptions | None:
-    """:func:`parse_request` then :meth:`KvRequest.resolve`: one request's options, or None.
-
-    For callers that hold the fields and the prompt together (the HF reference, the server
-    config's validation, tests); a served request takes the two steps at the front end.
-    """
-    request = parse_request(extra_args)
-    return None if request is None else request.resolve(num_prompt_tokens, max_model_len)
 
 
 def admitted_options(extra_args: Mapping[str, Any] | None) -> KvOptions | None:

@@ -59,10 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(args) -> dict:
     import torch
 
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import head_budgets as hb
     from obcache_vllm.evidence import hf_reference as ref
     from obcache_vllm.model import default_model_path
-    from obcache_vllm.options import parse_kv_options
 
     args.model = str(args.model or default_model_path())
     model, tok = ref.load_model(args.model)
@@ -124,10 +124,10 @@ def layout(args) -> dict:
     (scorer, budget), relative to the uniform selection's, mean over prompts."""
     import torch
 
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import head_budgets as hb
     from obcache_vllm.evidence import hf_reference as ref
     from obcache_vllm.model import default_model_path
-    from obcache_vllm.options import parse_kv_options
 
     bs = 32
     args.model = str(args.model or default_model_path())

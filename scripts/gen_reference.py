@@ -118,7 +118,7 @@ def render_options() -> str:
     rows = _option_rows()
     shipped = config.load_defaults({})
     out = [OPTIONS_HEADER]
-    for field in options.WIRE_FIELDS:
+    for field in options.FIELDS:
         meaning = rows[field].replace("|", "\\|")
         builtin = config.BUILTIN_DEFAULTS[field]
         out.append(f"| `{field}` | {meaning} | {_json(builtin)} | {_json(shipped[field])} |\n")
@@ -206,7 +206,8 @@ def refusal_matrix() -> dict[tuple[str, str], str | None]:
     1,000-token prompt with ``kv_budget: 128`` (and ``kv_scorer: attn``, which every pipeline
     and an error target take): None where a request may combine them, else the field its 400
     names."""
-    from obcache_vllm.options import KvOptionsError, parse_kv_options
+    from obcache_vllm.admission import parse_kv_options
+    from obcache_vllm.options import KvOptionsError
 
     names = list(MATRIX_OPTIONS)
     pairs = [(f"kv_pipeline: {p}", o) for p in MATRIX_PIPELINES for o in names]

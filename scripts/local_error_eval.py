@@ -49,9 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(args) -> dict:
     import torch
 
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
     from obcache_vllm.model import default_model_path
-    from obcache_vllm.options import parse_kv_options
     from obcache_vllm.scoring import estimate
 
     args.model = str(args.model or default_model_path())

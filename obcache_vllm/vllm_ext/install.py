@@ -18,15 +18,14 @@ installs. What the rows do, in short:
   _make_model_runner`` builds ``OBCacheGPUModelRunner`` on the V1 path, and ``FLASH_ATTN`` ->
   ``OBCacheFlashAttnBackend``.
 * ``InputProcessor.process_inputs``: the last step of admission
-  (:func:`~obcache_vllm.vllm_ext.frontend.admission.admit_engine_request`): a request leaves
-  the front end with its admitted options in their wire form, or is refused with a 400. The
-  refusals that depend on other processes' classes (the platform's attention adapter, the
-  scheduler EngineCore builds) are bound here (:func:`~obcache_vllm.vllm_ext.frontend.
-  admission.bind_platform`), so the front end imports neither.
+  (:func:`~obcache_vllm.vllm_ext.frontend.intake.admit_engine_request`): a request leaves
+  the front end with its admitted options in their wire form, or is refused with a 400.
+  Every decision is :mod:`obcache_vllm.admission`'s, which reads the platform adapter's
+  declared capabilities and the scheduler class by name, so the front end imports neither.
 * ``SchedulerStats`` gains an ``obcache`` field (every process; see :mod:`.wire`).
 * vLLM's start-up check of the KV pool against ``max_model_len`` is relaxed as far as
   ``kv_prefill_evict`` makes safe (:mod:`~obcache_vllm.vllm_ext.engine.pool_check`), and
-  requests that can never fit get a 400 (:mod:`~obcache_vllm.vllm_ext.frontend.capacity`).
+  requests that can never fit get a 400 (:func:`obcache_vllm.admission.capacity_error`).
 * In the process that serves the OpenAI API (vLLM's app builder is loaded when the plugin
   starts; decided before anything is imported, so EngineCore and workers never import the
   server's modules on our behalf): the ``server`` rows (:mod:`~obcache_vllm.vllm_ext.
@@ -41,7 +40,7 @@ import logging
 import sys
 
 from obcache_vllm.vllm_ext import seams
-from obcache_vllm.vllm_ext.frontend import admission
+from obcache_vllm.vllm_ext.frontend import intake
 from obcache_vllm.vllm_ext.seams import (  # noqa: F401  (re-exported: tests, adapters)
     API_SERVER_MODULE,
     ATTRIBUTES,
@@ -61,34 +60,11 @@ def _wrap_process_inputs(original):
     @functools.wraps(original)
     def process_inputs(self, *args, **kwargs):
         request = original(self, *args, **kwargs)
-        admission.admit_engine_request(self.vllm_config, request)
+        intake.admit_engine_request(intake.admission_of(self), request)
         return request
 
     process_inputs.__obcache_wrapped__ = True
     return process_inputs
-
-
-def scheduler_refusal(scheduler_config) -> str | None:
-    """Why EngineCore would build a scheduler that never evicts, or None (bound into the
-    front end's admission: it decides from the config without importing the class itself)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
-
-    try:
-        cls = scheduler_config.get_scheduler_cls()
-    except Exception as exc:  # a user class that does not import here
-        return f"--scheduler-cls {scheduler_config.scheduler_cls!r} could not be checked ({exc})"
-    # vLLM's own Scheduler is what EngineCore replaces by OBCacheScheduler.
-    if cls is Scheduler or (isinstance(cls, type) and issubclass(cls, OBCacheScheduler)):
-        return None
-    name = scheduler_config.scheduler_cls
-    if not isinstance(name, str):
-        name = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
-    return (
-        f"--scheduler-cls {name} is not supported with kv_budget: it must be (a subclass of) "
-        "obcache_vllm.vllm_ext.engine.scheduler.OBCacheScheduler"
-    )
 
 
 def _wrap_get_scheduler_cls(original):
@@ -150,19 +126,11 @@ def install() -> bool:
     """
     serving = API_SERVER_MODULE in sys.modules
     _share_vllm_logging()
-    from obcache_vllm.vllm_ext.worker.backends import (
-        platform_backend,
-        platform_capabilities,
-        platform_refusal,
-    )
-
-    backend = platform_backend()
+    backend = seams.platform_backend()
     check_compatibility(include_server=serving, backend=backend)
     if serving:
         install_api_server()
     seams.apply(serving=False, backend=backend)
-    admission.bind_platform(platform=platform_refusal(), scheduler=scheduler_refusal,
-                   capabilities=platform_capabilities())  # fmt: skip
     from obcache_vllm.eviction import faults
 
     if faults.enabled():  # test-only (OBCACHE_VLLM_FAULTS=1): see fault_hooks.py

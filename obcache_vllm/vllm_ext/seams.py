@@ -516,6 +516,20 @@ class IncompatibleVllmError(RuntimeError):
     """The installed vLLM does not match what obcache-vllm was built and tested against."""
 
 
+def platform_backend() -> str:
+    """This platform's attention adapter, as the registry's ``backend`` column names it:
+    ``"cpu"``, ``"cuda"``, or ``"none"`` (no adapter: budgets are refused, only the
+    platform-neutral rows apply). Admission reads the adapter's declared capabilities by this
+    name (:data:`obcache_vllm.admission.CAPABILITIES`)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return "none"
+
+
 def _resolve(module: str, qualname: str):
     obj = importlib.import_module(module)
     for part in qualname.split("."):

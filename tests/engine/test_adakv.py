@@ -25,9 +25,9 @@ import torch
 from support.engine import POOL_BLOCKS
 from support.texts import needle_parts, needle_prompt
 
+from obcache_vllm.admission import parse_kv_options
 from obcache_vllm.evidence import head_budgets as hb
 from obcache_vllm.evidence import hf_reference as ref
-from obcache_vllm.options import parse_kv_options
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
 

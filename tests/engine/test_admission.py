@@ -1,5 +1,5 @@
 """A request's kv_* options are parsed and resolved once, in the front end; EngineCore and the
-worker only decode the admitted wire form (obcache_vllm/vllm_ext/frontend/admission.py).
+worker only decode the admitted wire form (obcache_vllm/admission.py).
 
 On the session's in-process engine, where the front end, the scheduler and the worker share
 this process, so a spy on the option functions sees every call any of them makes.
@@ -12,8 +12,7 @@ from collections import Counter
 import pytest
 from support.texts import haystack
 
-from obcache_vllm import options
-from obcache_vllm.vllm_ext.frontend import admission
+from obcache_vllm import admission, options
 
 pytestmark = pytest.mark.engine
 
@@ -31,10 +30,8 @@ def calls(monkeypatch) -> Counter:
 
         return wrapped
 
-    parse = spy("parse_request", options.parse_request)
-    monkeypatch.setattr(options, "parse_request", parse)
-    monkeypatch.setattr(admission, "parse_request", parse)
-    monkeypatch.setattr(options.KvRequest, "resolve", spy("resolve", options.KvRequest.resolve))
+    monkeypatch.setattr(admission, "parse_request", spy("parse_request", admission.parse_request))
+    monkeypatch.setattr(admission, "resolve", spy("resolve", admission.resolve))
     from_wire = options.KvOptions.from_wire.__func__
     monkeypatch.setattr(options.KvOptions, "from_wire",
                         classmethod(spy("from_wire", from_wire)))  # fmt: skip

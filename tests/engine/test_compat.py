@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from obcache_vllm import admission as support
 from obcache_vllm.vllm_ext import install as inst
-from obcache_vllm.vllm_ext.frontend import admission as support
 
 
 def test_installed_vllm_matches_every_pinned_seam():
@@ -77,7 +77,7 @@ def test_install_is_idempotent():
 
 def test_unsupported_configurations_are_named(llm):
     config = llm.llm_engine.vllm_config
-    assert support.unsupported_reason(config) is None
+    assert support.engine_refusal(config, support.CAPABILITIES["cpu"]) is None
     # Speculative decoding is refused per option (decode-time eviction): test_spec_decode.py.
     cases = {
         "KV connectors": dict(kv_transfer_config=SimpleNamespace()),
@@ -86,14 +86,14 @@ def test_unsupported_configurations_are_named(llm):
         fake = copy.copy(config)
         for k, v in change.items():
             object.__setattr__(fake, k, v)
-        assert needle in support.unsupported_reason(fake)
+        assert needle in support.engine_refusal(fake, support.CAPABILITIES["cpu"])
     # Per-layer-scaled fp8 is served on CPU (test_fp8_kv.py); other quantized layouts are not.
     for dtype, refused in (("fp8", False), ("fp8_e5m2", False), ("fp8_per_token_head", True),
                            ("fp8_inc", True)):
         fake = copy.copy(config)
         object.__setattr__(fake, "cache_config", copy.copy(config.cache_config))
         object.__setattr__(fake.cache_config, "cache_dtype", dtype)
-        reason = support.unsupported_reason(fake)
+        reason = support.engine_refusal(fake, support.CAPABILITIES["cpu"])
         assert (reason is not None and "quantized KV cache" in reason and dtype in reason) \
             if refused else reason is None, (dtype, reason)
 

@@ -235,8 +235,8 @@ def test_a_target_at_a_compress_point_is_the_fixed_budget_it_chose_and_is_reused
     ``max_error``)."""
     import torch
 
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     doc = docs["dense"]
     point = len(doc)

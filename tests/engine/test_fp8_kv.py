@@ -39,7 +39,7 @@ import torch
 from support.engine import ENGINE_KWARGS, kept_overlap, run_pool
 from support.texts import needle_parts
 
-from obcache_vllm.options import parse_kv_options
+from obcache_vllm.admission import parse_kv_options
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -107,8 +107,8 @@ def test_gemma3_budget_evicts_in_the_global_layers_as_the_hf_reference(runs, mod
     group's blocks freed, the kept positions of each global layer and the greedy tokens equal
     the HF reference's, in which the sliding-window layers attend over their own window as
     stock."""
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     ids, _, ours, stock = runs
     got = ours["results"][rid]
@@ -132,8 +132,8 @@ def test_gemma3_kv_decode_evicts_in_the_global_layers_as_the_hf_reference(runs, 
     positions per global layer and the greedy tokens equal the step-by-step HF reference's
     (:func:`~obcache_vllm.evidence.hf_reference.run_evicting`, whose sliding-window layers go
     on in HF's own cache)."""
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     ids, _, ours, _ = runs
     got = ours["results"]["decode"]
@@ -155,8 +155,8 @@ def test_gemma3_prefill_evict_evicts_after_every_chunk_as_the_hf_reference(runs,
     holding much more than the budget and a chunk, and the evictions, the last one's kept
     positions per global layer and the tokens equal the step-by-step HF reference's at the
     same chunk ends."""
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     ids, _, ours, _ = runs
     got = ours["results"]["chunks"]
@@ -175,8 +175,8 @@ def test_gemma3_error_target_is_the_fixed_budget_it_chose_as_the_hf_reference(ru
     """An error target on a hybrid model: its error estimated in the global layers, within the
     target; what it keeps in each global layer and the tokens it gives are the HF reference's
     for a fixed budget of the count it chose."""
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     ids, _, ours, _ = runs
     got = ours["results"]["target"]
@@ -195,9 +195,9 @@ def test_gemma3_adakv_keeps_the_references_entries_and_generates_its_tokens(runs
     """adakv on a hybrid model: per-head memory in the global layers (one KV head each here),
     the kept entries of each global layer those of the HF reference's served selection
     (``head_budgets.served_masks``), the tokens the argmax over that masked cache."""
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import head_budgets as hb
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     ids, _, ours, _ = runs
     got = ours["results"]["adakv"]
@@ -221,8 +221,8 @@ def test_gemma3_pressure_compresses_when_the_pool_runs_short_as_the_reference(ru
     cache first) evict where the step-by-step HF reference does and give its tokens; the
     others run as stock (no eviction). Seen failing before the hashes were dropped on hybrid
     models: a compression while running was a fault (BlockNotWritableError)."""
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     ids, _, ours, _ = runs
     model = None

@@ -38,9 +38,9 @@ import torch
 from support.engine import kept_overlap
 from support.texts import needle_parts
 
+from obcache_vllm.admission import parse_kv_options
 from obcache_vllm.eviction.planning import plan_eviction
 from obcache_vllm.model import EXPECTED_CONFIG
-from obcache_vllm.options import parse_kv_options
 
 # The module fixture runs both sides (~5-10 min on 2 cores); it counts against the first test.
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]

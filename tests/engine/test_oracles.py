@@ -20,7 +20,7 @@ import torch
 from support.engine import POOL_BLOCKS, generate, record_preemptions
 from support.texts import haystack
 
-from obcache_vllm.options import parse_kv_options
+from obcache_vllm.admission import parse_kv_options
 
 BS = 32
 

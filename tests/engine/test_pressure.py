@@ -43,8 +43,8 @@ def test_compression_instead_of_preemption_when_the_pool_is_short(
     never compressed answers as the same request on a stock vLLM engine; one compressed while
     it ran answers as the HF reference that computes its prompt and the tokens it had
     generated with the full cache, evicts at the reported length and continues."""
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     prompts = [tokenizer(haystack(16, seed=70 + i)).input_ids for i in range(5)]
     assert sum(-(-(len(p) + 200) // BS) for p in prompts) > POOL_BLOCKS

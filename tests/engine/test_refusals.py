@@ -20,8 +20,9 @@ import sys
 import pytest
 from support.engine import ENGINE_KWARGS, PROBES
 
+from obcache_vllm import admission as support
 from obcache_vllm.options import KvOptionsError
-from obcache_vllm.vllm_ext.frontend import admission as support
+from obcache_vllm.vllm_ext.frontend import intake
 from obcache_vllm.vllm_ext.frontend.server import admit_rendered_prompt
 
 BUDGET = {"kv_budget": 64}
@@ -35,15 +36,16 @@ def check_rendered_prompt(handler, inputs, fields):
 
     requested = support.parse(fields)
     extra = {} if requested is None else {ADMITTED_KEY: requested}
-    admit_rendered_prompt(handler.engine_client.vllm_config, inputs,
-                          SimpleNamespace(extra_args=extra, max_tokens=8))  # fmt: skip
+    gate = support.Admission.for_engine(handler.engine_client.vllm_config, "cpu")
+    admit_rendered_prompt(gate, inputs, SimpleNamespace(extra_args=extra, max_tokens=8))
 
 
 def admit_fields(vllm_config, fields, num_prompt_tokens):
     """Stages 1 and 2 of admission on these kv_* fields: the resolved options, or None."""
     requested = support.parse(fields)
-    admitted = None if requested is None else support.admit(vllm_config, requested,
-                                                             num_prompt_tokens)
+    gate = support.Admission.for_engine(vllm_config, "cpu")
+    admitted = None if requested is None else gate.admit(requested,
+                                                         support.Prompt(num_prompt_tokens))
     return None if admitted is None else admitted.options
 
 
@@ -126,9 +128,9 @@ REFUSED = [
 @pytest.mark.parametrize("change, needle", REFUSED)
 def test_unsupported_configuration_refuses_budgets_only(llm, change, needle):
     config = llm.llm_engine.vllm_config
-    assert support.unsupported_reason(config) is None
+    assert support.engine_refusal(config, support.CAPABILITIES["cpu"]) is None
     fake = _copy(config, **change(config))
-    reason = support.unsupported_reason(fake)
+    reason = support.engine_refusal(fake, support.CAPABILITIES["cpu"])
     assert reason is not None and needle in reason, reason
     with pytest.raises(KvOptionsError) as info:
         admit_fields(fake, BUDGET, 500)
@@ -154,7 +156,7 @@ def test_our_scheduler_and_its_subclasses_are_accepted(llm, scheduler_cls):
     fake = _copy(
         config, scheduler_config=_copy(config.scheduler_config, scheduler_cls=scheduler_cls)
     )
-    assert support.unsupported_reason(fake) is None
+    assert support.engine_refusal(fake, support.CAPABILITIES["cpu"]) is None
     assert admit_fields(fake, BUDGET, 500).budget == 64
 
 
@@ -203,13 +205,14 @@ def test_prompt_embeds_requests_are_refused_at_both_front_end_checks(llm):
             prompt_embeds=embeds,
         )
 
+    gate = support.Admission.for_engine(config, "cpu")
     with pytest.raises(VLLMValidationError) as info:
-        support.admit_engine_request(config, request(BUDGET))
+        intake.admit_engine_request(gate, request(BUDGET))
     assert info.value.parameter == "kv_budget" and "prompt embeddings" in str(info.value)
-    support.admit_engine_request(config, request(None))  # no budget: stock
+    intake.admit_engine_request(gate, request(None))  # no budget: stock
     # The prompt length counts the embeddings: a 300-token fraction, as for token ids.
     with pytest.raises(VLLMValidationError, match="kv_budget: a fractional"):
-        support.admit_engine_request(config, request({"kv_budget": 1.5}))
+        intake.admit_engine_request(gate, request({"kv_budget": 1.5}))
 
     class Handler:  # what the check reads: the engine client's configuration
         engine_client = type("Client", (), {"vllm_config": config})()

@@ -163,8 +163,8 @@ def test_kv_sharing_layers_compact_the_cache_they_read_a_second_time_when_let_th
     cache agree with the reference's, and the tokens do not."""
     import torch
 
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     model_dir = write_model(BY_NAME["gemma3n-shared"], tmp_path_factory.mktemp("g3n"), model_path)
     out = _lifted(model_dir, prompt, ["config"], env={"OBCACHE_VLLM_RECORD_KEEP": "1"})

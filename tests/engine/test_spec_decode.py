@@ -12,7 +12,7 @@ That is the oracle here, on the real engine and model (three fresh engines in su
   reference in ``test_hf_reference.py``); ``kv_prefill_evict`` (whose chunks the drafts move)
   gives the HF reference's tokens for the chunk ends it evicted at; every block comes back and
   the KV oracle sees no mismatch;
-* ``kv_decode`` is refused with drafts, naming the field (``admission._speculative_refusal``),
+* ``kv_decode`` is refused with drafts, naming the field (``admission.speculative_refusal``),
   and the same engine with that refusal lifted shows why: decode-time eviction around drafts
   leaves greedy's tokens (at least one of the ``kv_decode`` requests differs).
 """
@@ -27,8 +27,8 @@ import pytest
 from support.engine import ENGINE_KWARGS, run_pool
 from support.texts import needle_parts
 
-from obcache_vllm.options import parse_kv_options
-from obcache_vllm.vllm_ext.frontend import admission
+from obcache_vllm import admission
+from obcache_vllm.admission import parse_kv_options
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -132,9 +132,9 @@ def test_decode_time_eviction_is_refused_with_drafts_and_why(runs):
                          "kv_when"), ({"kv_budget": 128, "kv_session": True}, "kv_session"),
                          ({"kv_budget": 128, "kv_pipeline": "adakv"}, "kv_pipeline")):  # fmt: skip
         options = parse_kv_options(extra, 600, 2048)
-        assert admission._speculative_refusal(config, options)[0] == field, extra
+        assert admission.speculative_refusal(config, options)[0] == field, extra
     for extra in PROMPT_END.values():
-        assert admission._speculative_refusal(config, parse_kv_options(extra, 600, 2048)) is None
+        assert admission.speculative_refusal(config, parse_kv_options(extra, 600, 2048)) is None
 
 
 def test_auto_starts_no_session_with_drafts(tokenizer, model_path):

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from support.server import MODEL_NAME, Server, healthy
 
-from obcache_vllm.options import OPTIONS, WIRE_FIELDS
+from obcache_vllm.options import FIELDS, OPTIONS
 from obcache_vllm.scoring import PIPELINE_NAMES, SCORER_NAMES
 from obcache_vllm.textgen import haystack
 
@@ -92,7 +92,7 @@ PLAUSIBLE.update({
     "kv_sinks": st.integers(0, 4),
     "kv_compress_at": st.integers(120, 350),  # long prompt only (360 tokens)
 })  # fmt: skip
-assert set(PLAUSIBLE) == set(WIRE_FIELDS)
+assert set(PLAUSIBLE) == set(FIELDS)
 # Neither a session nor compression under pressure can carry h2o's sums, nor combine with
 # kv_compress_at / kv_prefill_evict (or each other); adakv evicts once, into a per-head layout
 # nothing else reads (options._refuse_heads_memory): (field, value that opts in) -> conflicts.
@@ -136,8 +136,8 @@ def values_for(name: str):
 
 
 kv_names = st.one_of(
-    st.sampled_from(WIRE_FIELDS),
-    st.sampled_from(WIRE_FIELDS),
+    st.sampled_from(FIELDS),
+    st.sampled_from(FIELDS),
     st.text(max_size=10).map(lambda s: "kv_" + s),
     st.sampled_from(["kv_", "kv_budget ", "kv_Budget", "kv_überbudget", "kv_\u0000", "kv_😀"]),
 )
@@ -154,7 +154,7 @@ def kv_fields(draw, long: bool, plausible: bool) -> list[tuple[str, str, object]
     if plausible:  # a budget and a consistent option set: a valid request
         budget = draw(st.one_of(st.integers(24, 300), st.floats(0.2, 1.0) if long else st.none()))
         out = [(draw(places), "kv_budget", budget if budget is not None else 64)]
-        others = [f for f in WIRE_FIELDS if f != "kv_budget" and (long or f != "kv_compress_at")]
+        others = [f for f in FIELDS if f != "kv_budget" and (long or f != "kv_compress_at")]
         for name in draw(st.sets(st.sampled_from(others), max_size=4)):
             out.append((draw(places), name, draw(PLAUSIBLE[name])))
         return _consistent(out)

@@ -37,8 +37,8 @@ def run_family(family, model_dir: Path, prompt: list[int], cores: list[int]) -> 
     kept sets and tokens against the HF reference (or its refusal)."""
     import torch
 
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import hf_reference as ref
-    from obcache_vllm.options import parse_kv_options
 
     requests = [
         {"id": "plain", "prompt_token_ids": prompt, "max_tokens": NEW_TOKENS},

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from obcache_vllm.admission import parse_kv_options
 from obcache_vllm.eviction.faults import Fault, FaultyView
 from obcache_vllm.eviction.layer import evict_after_attention
 from obcache_vllm.eviction.messages import EvictionOrder
@@ -24,7 +25,6 @@ from obcache_vllm.evidence.kernel_checks.paged import (
     sdpa_gqa,
     write_slots,
 )
-from obcache_vllm.options import parse_kv_options
 from obcache_vllm.scoring import HeadGeometry
 from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
     FlashAttnKvView,

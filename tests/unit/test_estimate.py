@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from obcache_vllm.admission import parse_kv_options, parse_request, resolve
 from obcache_vllm.eviction.layer import evict_after_attention, finish_deferred
 from obcache_vllm.eviction.messages import EvictionOrder
 from obcache_vllm.eviction.step import RequestKvState, RowPlan, StepPlan
 from obcache_vllm.evidence.kernel_checks.paged import write_slots
-from obcache_vllm.options import KvOptionsError, parse_kv_options, parse_request
+from obcache_vllm.options import KvOptionsError
 from obcache_vllm.scoring import HeadGeometry, estimate, select_keep
 from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
     FlashAttnKvView,
@@ -184,10 +185,10 @@ def test_auto_starts_no_session_where_the_engine_serves_none():
     """Speculative decoding, an interleaved sliding-window model or prefix caching off: a
     first sighting compresses whole and a continuation is not served as a session."""
     request = parse_request({"kv_budget": 64, "kv_compress_at": "auto", "kv_pipeline": "tova"})
-    assert request.resolve(500).session  # a tentative session where sessions are served
-    first = request.resolve(500, sessions=False)
+    assert resolve(request, 500).session  # a tentative session where sessions are served
+    first = resolve(request, 500, sessions=False)
     assert not first.session and not first.tentative and first.compress_at is None
-    follow = request.resolve(500, auto_point=256, auto_session=True, sessions=False)
+    follow = resolve(request, 500, auto_point=256, auto_session=True, sessions=False)
     assert not follow.session and follow.compress_at == 256
 
 
@@ -200,7 +201,7 @@ def test_a_target_takes_a_compress_point_and_a_session():
     auto = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_compress_at": "auto"}, 1000)
     assert auto.compress_at is None and not auto.session  # never a session: no point seen
     request = parse_request({"kv_budget": {"max_error": 0.1}, "kv_compress_at": "auto"})
-    followed = request.resolve(1000, auto_point=600, auto_session=True)  # a chat's next turn
+    followed = resolve(request, 1000, auto_point=600, auto_session=True)  # a chat's next turn
     assert not followed.session and followed.compress_at is None  # whole, not a session
     session = parse_kv_options({"kv_budget": {"max_error": 0.1}, "kv_session": True}, 1000)
     assert session.session and session.max_error == 0.1  # each turn within what is left

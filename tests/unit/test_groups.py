@@ -18,10 +18,9 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from obcache_vllm.options import parse_kv_options
-from obcache_vllm.vllm_ext.frontend import admission
+from obcache_vllm import admission
+from obcache_vllm.admission import CAPABILITIES, parse_kv_options
 from obcache_vllm.vllm_ext.groups import evicting_group, window_blocks
-from obcache_vllm.vllm_ext.worker.backends.refusals import CAPABILITIES
 
 HEAD = dict(num_kv_heads=1, head_size=256, dtype=torch.float32)
 
@@ -81,14 +80,7 @@ def test_global_layers_of_two_head_sizes_are_one_global_group_beside_windows():
     assert evicting_group(_config(_window(), uniform)).index == 1
 
 
-@pytest.fixture(autouse=True)
-def _capabilities(monkeypatch):
-    """The CPU adapter's capabilities bound, as ``install`` binds them (restored after)."""
-    monkeypatch.setitem(admission._bound, "capabilities", CAPABILITIES["cpu"])
-
-
-def _vllm_config(layer_types, window=512, disabled=False, device="cpu"):
-    admission._bound["capabilities"] = CAPABILITIES[device]  # the platform's adapter
+def _vllm_config(layer_types, window=512, disabled=False):
     text = SimpleNamespace(layer_types=layer_types)
     model = SimpleNamespace(get_sliding_window=lambda: window, hf_text_config=text)
     return SimpleNamespace(model_config=model,
@@ -101,15 +93,16 @@ GEMMA3 = ["sliding_attention"] * 5 + ["full_attention"]
 
 def test_admission_tells_interleaved_models_from_windowed_ones():
     assert admission.interleaved(_vllm_config(GEMMA3))
-    assert admission._window_reason(_vllm_config(GEMMA3)) is None
+    cpu, cuda = CAPABILITIES["cpu"], CAPABILITIES["cuda"]  # what each platform's adapter serves
+    assert admission._window_reason(_vllm_config(GEMMA3), cpu) is None
     every = _vllm_config(["sliding_attention"] * 4)  # a window in every layer (Mistral 7B v0.1)
     assert not admission.interleaved(every)
-    assert "other than those interleaving" in admission._window_reason(every)
-    cuda = _vllm_config(GEMMA3, device="cuda")  # FLASH_ATTN shares seq_lens between groups
-    assert "CPU attention backend only" in admission._window_reason(cuda)
+    assert "other than those interleaving" in admission._window_reason(every, cpu)
+    # FLASH_ATTN shares seq_lens between groups
+    assert "CPU attention backend only" in admission._window_reason(_vllm_config(GEMMA3), cuda)
     unified = _vllm_config(GEMMA3, disabled=True)
-    assert "hybrid KV-cache manager disabled" in admission._window_reason(unified)
-    assert admission._window_reason(_vllm_config(None, window=None)) is None
+    assert "hybrid KV-cache manager disabled" in admission._window_reason(unified, cpu)
+    assert admission._window_reason(_vllm_config(None, window=None), cpu) is None
 
 
 @pytest.mark.parametrize("fields, refused", [
@@ -126,9 +119,9 @@ def test_options_that_need_more_than_the_global_group_are_refused_on_interleaved
     fields, refused
 ):
     options = parse_kv_options(fields, 1000)
-    got = admission._hybrid_refusal(_vllm_config(GEMMA3), options)
+    got = admission.hybrid_refusal(_vllm_config(GEMMA3), options)
     assert (got[0] if got else None) == refused
-    assert admission._hybrid_refusal(_vllm_config(None, window=None), options) is None
+    assert admission.hybrid_refusal(_vllm_config(None, window=None), options) is None
 
 
 def test_a_bounded_peak_adds_what_the_sliding_window_groups_hold_at_most():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from obcache_vllm.admission import parse_kv_options
 from obcache_vllm.eviction.ledger import BlockLedger, CacheStart
 from obcache_vllm.eviction.messages import RowState
-from obcache_vllm.options import parse_kv_options
 
 BS = 32
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from obcache_vllm.options import KvOptionsError, bounded, parse_kv_options
+from obcache_vllm import admission
+from obcache_vllm.admission import parse_kv_options, resolve
+from obcache_vllm.options import KvOptionsError, bounded
 from obcache_vllm.vllm_ext.frontend import server
 
 BUDGET = {"kv_budget": 64}
@@ -123,48 +125,45 @@ def test_adakv_takes_sessions_but_auto_never_starts_one():
     """A session carries adakv's per-head layout (``kv_session``, or vLLM's ``session_id``);
     ``kv_compress_at: "auto"`` never starts one for it, tentative or continued (its caches
     become no entry to share at a compress point)."""
-    from obcache_vllm.options import parse_request
+    from obcache_vllm.admission import parse_request
 
     assert parse_kv_options({**BUDGET, "kv_pipeline": "adakv", "kv_session": True}, 500).session
     request = parse_request({**BUDGET, "kv_pipeline": "adakv", "kv_compress_at": "auto"})
-    assert request.joins_session()  # vLLM's session_id
-    assert request.resolve(500, session_id="chat-1").session
-    first = request.resolve(500, auto_point=None, auto_session=True)
+    assert admission.joins_session(request)  # vLLM's session_id
+    assert resolve(request, 500, session_id="chat-1").session
+    first = resolve(request, 500, auto_point=None, auto_session=True)
     assert not first.session and not first.tentative
-    again = request.resolve(500, auto_point=None, auto_session=False)
+    again = resolve(request, 500, auto_point=None, auto_session=False)
     assert not again.session and not again.tentative and again.compress_at is None
     assert parse_kv_options({**BUDGET, "kv_pipeline": "adakv", "kv_compress_at": 300}, 500)
 
 
-def test_adakv_is_refused_where_per_head_memory_is_not_built(monkeypatch):
-    """Admission reads the platform adapter's declared capabilities (bound by ``install``),
-    not the device type."""
+def test_adakv_is_refused_where_per_head_memory_is_not_built():
+    """Admission reads the platform adapter's declared capabilities, not the device type."""
     from types import SimpleNamespace
 
-    from obcache_vllm.vllm_ext.frontend import admission
-    from obcache_vllm.vllm_ext.frontend.admission import _heads_memory_reason
-    from obcache_vllm.vllm_ext.worker.backends.refusals import CAPABILITIES
+    from obcache_vllm.admission import CAPABILITIES, heads_memory_refusal
 
-    def config(tp=1, device="cpu"):
-        monkeypatch.setitem(admission._bound, "capabilities", CAPABILITIES[device])
+    def config(tp=1):
         return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
 
+    cpu, cuda = CAPABILITIES["cpu"], CAPABILITIES["cuda"]
     ada = parse_kv_options({**BUDGET, "kv_pipeline": "adakv"}, 500)
     snap = parse_kv_options(BUDGET, 500)
-    assert _heads_memory_reason(config(), ada) is None
-    assert "tensor parallelism" in _heads_memory_reason(config(tp=2), ada)
-    assert "FlashAttention" in _heads_memory_reason(config(device="cuda"), ada)
-    assert _heads_memory_reason(config(tp=2, device="cuda"), snap) is None
+    assert heads_memory_refusal(config(), cpu, ada) is None
+    assert "tensor parallelism" in heads_memory_refusal(config(tp=2), cpu, ada)
+    assert "FlashAttention" in heads_memory_refusal(config(), cuda, ada)
+    assert heads_memory_refusal(config(tp=2), cuda, snap) is None
 
 
 def test_a_session_id_never_joins_an_error_target_to_a_session():
     """Found by the scheduler harness: vLLM's ``session_id`` made an error target a session
     (an explicit ``kv_session`` is refused with it): its turns would have estimated their
     error on a cache earlier turns compressed already."""
-    from obcache_vllm.options import parse_request
+    from obcache_vllm.admission import parse_request
 
     target = parse_request({"kv_budget": {"max_error": 0.01}})
-    assert not target.joins_session()
-    resolved = target.resolve(500, session_id="s1")
+    assert not admission.joins_session(target)
+    resolved = resolve(target, 500, session_id="s1")
     assert not resolved.session and resolved.max_error == 0.01
-    assert parse_request({"kv_budget": 64}).resolve(500, session_id="s1").session
+    assert resolve(parse_request({"kv_budget": 64}), 500, session_id="s1").session

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from obcache_vllm import config, options
+from obcache_vllm.admission import resolve
 from obcache_vllm.options import KvOptionsError, OptionSpec, OptionTable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def test_a_new_option_is_one_row() -> None:
         table.parse_request({"kv_flavor": "spicy"})
     assert info.value.field == "kv_flavor"
     # the resolved options and their wire form
-    resolved = request.resolve(1000)
+    resolved = resolve(request, 1000)
     assert isinstance(resolved, table.options_type) and resolved.flavor == "spicy"
     assert table.options_type.from_wire(resolved.to_wire()) == resolved
     with pytest.raises(options.WireError, match="flavor"):
@@ -46,7 +47,7 @@ def test_a_new_option_is_one_row() -> None:
     assert table.builtin_defaults()["kv_flavor"] == "plain"
     assert table.spec("kv_flavor").example_values() == ("plain", "spicy")
     # the module's own table is untouched
-    assert "kv_flavor" not in options.WIRE_FIELDS and "kv_flavor" not in config.BUILTIN_DEFAULTS
+    assert "kv_flavor" not in options.FIELDS and "kv_flavor" not in config.BUILTIN_DEFAULTS
 
 
 def test_the_docs_table_is_the_option_rows(monkeypatch) -> None:
@@ -65,8 +66,8 @@ def test_the_modules_types_are_the_tables() -> None:
     assert request_fields == names  # the client's options only (the policy rides beside)
     resolved_fields = [f.name for f in dataclasses.fields(options.KvOptions)]
     assert resolved_fields == [*names, "requested_budget", "tentative", "max_error"]
-    assert options.WIRE_FIELDS == tuple(spec.field for spec in options.OPTIONS)
-    assert tuple(config.BUILTIN_DEFAULTS) == options.WIRE_FIELDS
+    assert options.FIELDS == tuple(spec.field for spec in options.OPTIONS)
+    assert tuple(config.BUILTIN_DEFAULTS) == options.FIELDS
     assert config.PER_REQUEST_ONLY == ("kv_compress_at", "kv_session")
     # every option is documented and has plausible values (or is a prompt position)
     for spec in options.OPTIONS:

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from obcache_vllm.admission import joins_session, parse_kv_options, parse_request
 from obcache_vllm.eviction.planning import plan_eviction
-from obcache_vllm.options import KvOptions, KvOptionsError, parse_kv_options, parse_request
+from obcache_vllm.options import KvOptions, KvOptionsError
 
 
 def test_no_budget_means_stock_request():
@@ -68,7 +69,7 @@ def test_a_negative_compress_at_counts_back_from_each_prompts_end():
     for length in (300, 1000):
         opts = parse_kv_options({"kv_budget": 0.5, "kv_compress_at": -64}, length)
         assert opts.compress_at == length - 64 and opts.budget == math.ceil((length - 64) / 2)
-    assert not parse_request({"kv_budget": 0.5, "kv_compress_at": -64}).joins_session()
+    assert not joins_session(parse_request({"kv_budget": 0.5, "kv_compress_at": -64}))
 
 
 @pytest.mark.parametrize(

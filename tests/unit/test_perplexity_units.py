@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
+from obcache_vllm.admission import parse_kv_options
 from obcache_vllm.evidence import perplexity as ppl
-from obcache_vllm.options import parse_kv_options
 
 
 def test_clean_verses_drops_references_and_joins_wrapped_lines():

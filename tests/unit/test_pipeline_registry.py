@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from obcache_vllm.admission import parse_kv_options
 from obcache_vllm.evidence.eval.cells import Cell
 from obcache_vllm.evidence.eval.grid import grid
-from obcache_vllm.options import KvOptionsError, parse_kv_options
+from obcache_vllm.options import KvOptionsError
 from obcache_vllm.scoring import Pipeline, pipeline_names, register_pipeline, unregister_pipeline
 from obcache_vllm.scoring.pipelines import _last_queries
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from obcache_vllm import cli, config, options
+from obcache_vllm import admission, cli, config, options
 from obcache_vllm.vllm_ext.frontend import server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def test_shipped_config_file_is_the_builtin_defaults_tuned_for_the_default_model
     assert config.load_defaults(_clean_env()) == SHIPPED
     assert config.load_defaults({}) == SHIPPED  # no variable: the packaged file
     assert (REPO / "configs" / "default.yaml").resolve() == config.PACKAGED_CONFIG
-    assert set(config.BUILTIN_DEFAULTS) == set(options.WIRE_FIELDS)
+    assert set(config.BUILTIN_DEFAULTS) == set(options.FIELDS)
     assert (options.default("kv_pipeline"), options.default("kv_window")) == ("snapkv", 64)  # paper
 
 
@@ -172,8 +172,8 @@ SET_DEFAULTS = {k: v for k, v in DEFAULTS.items() if v is not None}  # what merg
         ),
     ],
 )
-def test_merge_request(defaults: dict, requested: dict, expected: dict) -> None:
-    assert config.merge_request(defaults, requested) == expected
+def test_merge_fields(defaults: dict, requested: dict, expected: dict) -> None:
+    assert admission.merge_fields(defaults, requested) == expected
 
 
 def test_compress_at_has_no_server_default() -> None:
@@ -203,19 +203,19 @@ def test_requested_fields_top_level_over_vllm_xargs_and_foreign_keys_ignored() -
 )
 def test_parsing_names_the_field(merged: dict, field: str) -> None:
     with pytest.raises(options.KvOptionsError) as info:
-        options.parse_request(merged)
+        admission.parse_request(merged)
     assert info.value.field == field
 
 
 def test_parsing_leaves_prompt_dependent_checks_to_admission() -> None:
     # 0.01 of a short prompt is below kv_sinks + kv_recent; only the real prompt can tell.
-    options.parse_request({"kv_budget": 0.01})
+    admission.parse_request({"kv_budget": 0.01})
     with pytest.raises(options.KvOptionsError):
-        options.parse_kv_options({"kv_budget": 0.01}, num_prompt_tokens=100)
+        admission.parse_kv_options({"kv_budget": 0.01}, num_prompt_tokens=100)
 
 
 def test_kv_transfer_params_is_not_an_unknown_kv_option() -> None:
-    assert options.parse_kv_options({"kv_transfer_params": {"a": 1}}, 10) is None
+    assert admission.parse_kv_options({"kv_transfer_params": {"a": 1}}, 10) is None
 
 
 class _Res:
@@ -267,8 +267,6 @@ def test_usage_chunk_injection_touches_only_the_final_usage_chunk() -> None:
 
 
 def test_a_policy_budget_below_its_threshold_leaves_the_request_stock() -> None:
-    from obcache_vllm.vllm_ext.frontend import admission
-
     server.reset_defaults({**config.BUILTIN_DEFAULTS, "kv_budget": 0.25, "kv_when": "pressure"},
                           min_prompt_tokens=1000)  # fmt: skip
     try:
@@ -276,7 +274,8 @@ def test_a_policy_budget_below_its_threshold_leaves_the_request_stock() -> None:
         assert policy_request.waived_below == 1000  # beside the client's options, not on them
         assert policy_request.request.budget == 0.25
         assert policy_request.request.when == "pressure"
-        assert admission.admit(None, policy_request, 999) is None  # stock: below the threshold
+        gate = admission.Admission(None, admission.CAPABILITIES["cpu"])
+        assert gate.admit(policy_request, admission.Prompt(999)) is None  # stock: below it
         own = server.parse_fields(None, {"kv_budget": 64})
         assert own.waived_below is None  # the request's own budget is never waived
         assert server.parse_fields(None, {"kv_budget": None}) is None  # the opt-out

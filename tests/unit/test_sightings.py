@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from obcache_vllm import config, options
+from obcache_vllm import admission, config, options
 from obcache_vllm.eviction.sightings import MIN_SHARE, PrefixSightings, Sighting, auto_point
 from obcache_vllm.vllm_ext.frontend import server
 
@@ -81,49 +81,51 @@ def test_a_repeated_prompt_compresses_where_it_was_compressed_before() -> None:
 
 
 def test_auto_resolves_to_the_point_or_the_whole_prompt() -> None:
-    request = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
+    request = admission.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
     assert request.compress_at == options.AUTO
-    at = request.resolve(1000, auto_point=800)
+    at = admission.resolve(request, 1000, auto_point=800)
     assert (at.compress_at, at.budget) == (800, 200)  # the fraction is of the shared prefix
-    whole = request.resolve(1000)
+    whole = admission.resolve(request, 1000)
     # compressed whole but its last token (computed on the compressed cache, so a repeat of
     # the prompt adopts this cache: options.FIRST_POINT); it may be a chat's first turn: a
     # tentative session
     assert (whole.compress_at, whole.budget) == (999, 250)
     assert (whole.session, whole.tentative) == (True, True)
     # where the budget leaves no room before the last token, the whole prompt as before
-    tight = options.parse_request({"kv_budget": 999, "kv_compress_at": "auto"}).resolve(1000)
+    tight_request = admission.parse_request({"kv_budget": 999, "kv_compress_at": "auto"})
+    tight = admission.resolve(tight_request, 1000)
     assert (tight.compress_at, tight.session, tight.tentative) == (None, True, True)
     assert (at.session, at.tentative) == (False, False)
     # a continuation is a session of its own, not tentative
-    turn = request.resolve(1000, auto_session=True)
+    turn = admission.resolve(request, 1000, auto_session=True)
     assert (turn.session, turn.tentative) == (True, False)
     # a pipeline whose running sums cannot travel with a cache starts no session
-    h2o = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
+    h2o = admission.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
                                  "kv_pipeline": "h2o"})  # fmt: skip
-    assert (h2o.resolve(1000).session, h2o.resolve(1000).tentative) == (False, False)
+    h2o_whole = admission.resolve(h2o, 1000)
+    assert (h2o_whole.session, h2o_whole.tentative) == (False, False)
     # the wire form carries it
     assert options.KvOptions.from_wire(whole.to_wire()).tentative is True
     # a point whose budget leaves no room beyond the sinks and recent tokens: the whole
     # prompt (but its last token), as a first sighting
-    low = request.resolve(1000, auto_point=60)
+    low = admission.resolve(request, 1000, auto_point=60)
     assert (low.compress_at, low.tentative) == (999, True)
     # a token budget at least the point: nothing to evict there, the whole prompt
-    fixed = options.parse_request({"kv_budget": 300, "kv_compress_at": "auto"})
-    assert fixed.resolve(1000, auto_point=200).compress_at == 999
-    assert fixed.resolve(1000, auto_point=800).compress_at == 800
+    fixed = admission.parse_request({"kv_budget": 300, "kv_compress_at": "auto"})
+    assert admission.resolve(fixed, 1000, auto_point=200).compress_at == 999
+    assert admission.resolve(fixed, 1000, auto_point=800).compress_at == 800
 
 
 @pytest.mark.parametrize("value", ["later", "Auto", ""])
 def test_other_strings_are_refused_naming_the_field(value: str) -> None:
     with pytest.raises(options.KvOptionsError, match="auto") as info:
-        options.parse_request({"kv_budget": 64, "kv_compress_at": value})
+        admission.parse_request({"kv_budget": 64, "kv_compress_at": value})
     assert info.value.field == "kv_compress_at"
 
 
 def test_auto_is_refused_where_a_compress_point_is() -> None:
     with pytest.raises(options.KvOptionsError) as info:
-        options.parse_request({"kv_budget": 64, "kv_compress_at": "auto", "kv_session": True})
+        admission.parse_request({"kv_budget": 64, "kv_compress_at": "auto", "kv_session": True})
     assert info.value.field == "kv_session"
 
 
@@ -183,12 +185,12 @@ def test_a_prompt_that_extends_a_whole_recorded_prompt_continues_it() -> None:
 
 
 def test_a_continuation_is_served_as_a_session_where_the_pipeline_allows() -> None:
-    request = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
-    continued = request.resolve(1000, auto_point=800, auto_session=True)
+    request = admission.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
+    continued = admission.resolve(request, 1000, auto_point=800, auto_session=True)
     assert (continued.session, continued.compress_at, continued.budget) == (True, None, 250)
-    h2o = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
+    h2o = admission.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
                                  "kv_pipeline": "h2o"})  # fmt: skip
-    at = h2o.resolve(1000, auto_point=800, auto_session=True)  # its sums cannot travel
+    at = admission.resolve(h2o, 1000, auto_point=800, auto_session=True)  # its sums cannot travel
     # ...and its cache never becomes an entry, so a shared point is no use: the whole prompt
     assert (at.session, at.compress_at) == (False, None)
 
@@ -198,12 +200,12 @@ def test_auto_compresses_whole_prompts_for_pipelines_without_entries(pipeline) -
     """A compress point pays only when the compressed prefix becomes an entry others adopt;
     h2o (running sums) and adakv (per-head memory) never leave one (found by the scheduler
     harness: they were compressed query-agnostically for nothing)."""
-    request = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
+    request = admission.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto",
                                      "kv_pipeline": pipeline})  # fmt: skip
-    resolved = request.resolve(1000, auto_point=800)
+    resolved = admission.resolve(request, 1000, auto_point=800)
     assert (resolved.compress_at, resolved.session, resolved.budget) == (None, False, 250)
-    snapkv = options.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
-    assert snapkv.resolve(1000, auto_point=800).compress_at == 800
+    snapkv = admission.parse_request({"kv_budget": 0.25, "kv_compress_at": "auto"})
+    assert admission.resolve(snapkv, 1000, auto_point=800).compress_at == 800
 
 
 @pytest.mark.parametrize(
@@ -218,11 +220,11 @@ def test_auto_compresses_whole_prompts_for_pipelines_without_entries(pipeline) -
     ],
 )
 def test_a_vllm_session_id_joins_a_session_where_the_options_allow(fields, joins) -> None:
-    request = options.parse_request({"kv_budget": 0.25, **fields})
-    assert request.joins_session() is joins
-    got = request.resolve(1000, session_id="chat-1")
+    request = admission.parse_request({"kv_budget": 0.25, **fields})
+    assert admission.joins_session(request) is joins
+    got = admission.resolve(request, 1000, session_id="chat-1")
     assert got.session is joins
-    alone = request.resolve(1000)  # no id: no session, but "auto" starts a tentative one
+    alone = admission.resolve(request, 1000)  # no id: no session, but "auto" starts a tentative one
     assert alone.session is alone.tentative is (joins and request.compress_at == options.AUTO)
     assert got.tentative is False
     if joins:

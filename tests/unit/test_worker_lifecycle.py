@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from obcache_vllm.admission import parse_kv_options
 from obcache_vllm.eviction.messages import EvictionOrder
-from obcache_vllm.options import ADMITTED_KEY, parse_kv_options
+from obcache_vllm.options import ADMITTED_KEY
 from obcache_vllm.vllm_ext.worker.lifecycle import BatchRows, WorkerEviction
 
 pytestmark = pytest.mark.unit

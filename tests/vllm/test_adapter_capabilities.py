@@ -1,42 +1,39 @@
-"""The CPU attention adapter's declarations are what admission reads (no vLLM engine).
+"""The attention adapters' declarations are what admission reads (no vLLM engine).
 
-``install`` binds the platform adapter's refusal and capabilities into admission, which then
-decides by them, never by device type. The adapter class must agree with the row it reads:
-a capability it declares is implemented (it overrides the methods the capability needs), and
-its own ``unsupported_reason`` is the refusal admission is bound to.
+What each adapter serves is declared once (:data:`obcache_vllm.admission.CAPABILITIES`);
+admission refuses from the platform's row, never by device type. Each adapter class must agree
+with its row: its name is the backend the row names, and a capability it declares is
+implemented (it overrides the methods the capability needs).
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from obcache_vllm import admission
+from obcache_vllm.vllm_ext.seams import platform_backend
 from obcache_vllm.vllm_ext.worker.attention import BackendAdapter
-from obcache_vllm.vllm_ext.worker.backends import (
-    platform_backend,
-    platform_capabilities,
-    platform_refusal,
-    refusals,
-)
 
 
 def test_the_cpu_adapter_declares_what_it_implements():
     from obcache_vllm.vllm_ext.worker.backends.cpu import ADAPTER
 
     assert platform_backend() == "cpu"
-    declared = platform_capabilities()
-    assert declared == refusals.CAPABILITIES["cpu"]
+    declared = admission.CAPABILITIES["cpu"]
+    assert ADAPTER.name == declared.adapter == "CPU_ATTN"
     assert ADAPTER.per_head_memory == declared.per_head_memory
     if declared.per_head_memory:  # the per-head read path is built, not the base's raise
         for name in ("head_reads", "attend_per_head"):
             assert getattr(type(ADAPTER), name) is not getattr(BackendAdapter, name), name
 
 
-def test_the_cpu_adapters_refusal_is_the_one_admission_is_bound_to():
-    from obcache_vllm.vllm_ext.worker.backends.cpu import ADAPTER
-
-    assert platform_refusal() is refusals.cpu_refusal
-    for dtype in ("auto", "fp8", "fp8_e5m2", "fp8_per_token_head", "fp8_inc"):
-        config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=dtype))
-        assert ADAPTER.unsupported_reason(config) == platform_refusal()(config), dtype
-    assert ADAPTER.unsupported_reason(
-        SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8_inc"))) is not None
+def test_the_cpu_row_serves_float_and_per_layer_fp8_caches_only():
+    cpu = admission.CAPABILITIES["cpu"]
+    for dtype, served in (("auto", True), ("bfloat16", True), ("fp8", True),
+                          ("fp8_e5m2", True), ("fp8_per_token_head", False),
+                          ("fp8_inc", False)):  # fmt: skip
+        config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=dtype, block_size=16),
+                                 parallel_config=SimpleNamespace(),
+                                 model_config=SimpleNamespace())  # fmt: skip
+        reason = admission.platform_refusal(config, cpu)
+        assert (reason is None) == served, (dtype, reason)

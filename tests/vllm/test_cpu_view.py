@@ -127,11 +127,11 @@ def test_fp8_eviction_selects_on_the_dequantized_cache_and_moves_the_stored_byte
     unquantized inputs), and the kept tokens' bytes land in their new slots unchanged."""
     from vllm import _custom_ops as ops
 
+    from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.eviction.layer import evict_after_attention
     from obcache_vllm.eviction.messages import EvictionOrder
     from obcache_vllm.eviction.quantized import fp8_format, quantize_like_cpu
     from obcache_vllm.eviction.step import RequestKvState, RowPlan, StepPlan
-    from obcache_vllm.options import parse_kv_options
     from obcache_vllm.scoring import HeadGeometry
 
     hq, n, budget = 2 * HKV, 200, 70

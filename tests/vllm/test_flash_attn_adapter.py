@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from obcache_vllm import admission
+from obcache_vllm.admission import parse_kv_options
 from obcache_vllm.eviction.step import RequestKvState, RowPlan, StepPlan
 from obcache_vllm.evidence.kernel_checks.paged import read_slots
-from obcache_vllm.options import parse_kv_options
 from obcache_vllm.vllm_ext import seams
 from obcache_vllm.vllm_ext.worker.backends import flash_attn as fa
 from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
@@ -161,7 +162,10 @@ def test_builder_refuses_kernel_blocks_smaller_than_the_managers(vllm_config):
 def _config(**over):
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.core.sched.scheduler import Scheduler
 
+    # What admission reads of an engine configuration (a generic one: only the overrides
+    # are refused).
     cfg = SimpleNamespace(
         attention_config=SimpleNamespace(backend=AttentionBackendEnum.FLASH_ATTN,
                                          backend_per_kind={}),
@@ -169,9 +173,15 @@ def _config(**over):
         cache_config=SimpleNamespace(block_size=16, kv_sharing_fast_prefill=False,
                                      cache_dtype="auto"),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1,
-                                        prefill_context_parallel_size=1, enable_dbo=False),
+                                        prefill_context_parallel_size=1, enable_dbo=False,
+                                        pipeline_parallel_size=1),
         model_config=SimpleNamespace(hf_text_config=SimpleNamespace(), is_mm_prefix_lm=False,
-                                     rswa_window=None),
+                                     rswa_window=None, is_hybrid=False, is_attention_free=False,
+                                     get_sliding_window=lambda: None, use_mla=False),
+        scheduler_config=SimpleNamespace(async_scheduling=False, scheduler_cls=None,
+                                         get_scheduler_cls=lambda: Scheduler),
+        kv_transfer_config=None,
+        use_v2_model_runner=False,
     )  # fmt: skip
     for path, value in over.items():
         obj = cfg
@@ -214,7 +224,7 @@ def _mode(name):
     ],
 )  # fmt: skip
 def test_unsupported_configurations_are_refused(override, match):
-    reason = fa.FlashAttnAdapter.unsupported_reason(_config(**override))
+    reason = admission.engine_refusal(_config(**override), admission.CAPABILITIES["cuda"])
     if match is None:
         assert reason is None
     else:
@@ -224,15 +234,18 @@ def test_unsupported_configurations_are_refused(override, match):
 def test_platform_dispatch_of_refusals(monkeypatch):
     from vllm.platforms import current_platform
 
-    from obcache_vllm.vllm_ext.worker import backends
+    from obcache_vllm.vllm_ext.seams import platform_backend
+
+    def refusal(config):  # what admission reads on this platform
+        return admission.engine_refusal(config, admission.CAPABILITIES[platform_backend()])
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
     full = _config(**{"compilation_config.cudagraph_mode": _mode("FULL_AND_PIECEWISE")})
-    assert "full CUDA graphs" in backends.platform_refusal()(full)
-    assert backends.platform_refusal()(_config()) is None
+    assert "full CUDA graphs" in refusal(full)
+    assert refusal(_config()) is None
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: False)
-    assert "CPU and CUDA" in backends.platform_refusal()(_config())
+    assert "CPU and CUDA" in refusal(_config())
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from support.sched_sim.engine import SimConfig, _bind_admission, vllm_config
+from support.sched_sim.engine import SimConfig, vllm_config
 from vllm import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreRequest
@@ -24,8 +24,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from obcache_vllm.admission import Admission
 from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler, StockLayoutScheduler
-from obcache_vllm.vllm_ext.frontend import admission
+from obcache_vllm.vllm_ext.frontend import intake
 
 BS = 8
 # No prefix caching: these requests carry no block hashes (the layouts are the question).
@@ -52,7 +53,6 @@ def _window():
 
 
 def _request(scheduler, req_id: str, fields: dict | None) -> Request:
-    _bind_admission()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
                             extra_args=dict(fields) if fields else None)  # fmt: skip
     request = EngineCoreRequest(
@@ -60,7 +60,7 @@ def _request(scheduler, req_id: str, fields: dict | None) -> Request:
         sampling_params=params, pooling_params=None, arrival_time=time.time(),
         lora_request=None, cache_salt=None, data_parallel_rank=None,
     )  # fmt: skip
-    admission.admit_engine_request(vllm_config(CFG), request)
+    intake.admit_engine_request(Admission.for_engine(vllm_config(CFG), "cpu"), request)
     return Request.from_engine_core_request(request, None)
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
-from obcache_vllm.options import KvOptionsError
-from obcache_vllm.vllm_ext.frontend.admission import (
+from obcache_vllm.admission import (
     HINT_ACTION_TYPE,
     HINT_ACTION_VERSION,
     hinted_fields,
 )
+from obcache_vllm.options import KvOptionsError
 
 
 def _envelope(*actions: KvHintAction) -> KvHintsEnvelope:

@@ -4,7 +4,7 @@ Stock vLLM refuses to start when the pool cannot hold one request of ``max_model
 tokens. With ``kv_prefill_evict`` a budgeted request holds at most its bounded peak, so the
 pool must only hold one full prefill chunk (``max_num_batched_tokens``) plus two blocks (the
 smallest bounded peak); a smaller pool is refused exactly as stock vLLM refuses it. Requests
-that can never fit get a 400 at admission (:mod:`obcache_vllm.vllm_ext.frontend.capacity`).
+that can never fit get a 400 at admission (:func:`obcache_vllm.admission.capacity_error`).
 Runs in the EngineCore process, where the pool is sized. The two wrappers below are rows of
 the seam registry (:data:`obcache_vllm.vllm_ext.seams.REGISTRY`); vLLM 0.33 moved
 ``_check_enough_kv_cache_memory`` to ``vllm.v1.core.kv_cache_planning``, which the registry's
@@ -35,7 +35,7 @@ def _one_kind_of_layer(kv_cache_specs) -> bool:
     """Whether every attention layer of every worker has the same KV-cache spec type (one
     group). A hybrid model (sliding-window and global layers) gets several groups and keeps
     stock's check: serving prompts longer than the pool there would need the capacity checks
-    (``frontend/capacity.py``) to count every group, which they do not; a pool below stock's
+    (``admission.capacity_error``) to count every group, which they do not; a pool below stock's
     minimum stalled the engine (``tests/engine/test_gemma3.py``)."""
     kinds = {type(spec).__name__ for specs in kv_cache_specs or () for spec in specs.values()}
     return len(kinds) <= 1

@@ -10,21 +10,21 @@ and protocol stay in charge; the wrappers only:
   collect the kv_* options from top-level request fields (kept by vLLM's pydantic models in
   ``model_extra``) and from ``vllm_xargs`` (top-level wins), over the server defaults
   (:mod:`obcache_vllm.config`), and parse them: admission's stage 1
-  (:func:`~obcache_vllm.vllm_ext.frontend.admission.parse`, the policy passed in). The
-  :class:`~obcache_vllm.vllm_ext.frontend.admission.Requested` replaces the raw fields in
+  (:func:`~obcache_vllm.admission.parse`, the policy passed in). The
+  :class:`~obcache_vllm.admission.Requested` replaces the raw fields in
   ``SamplingParams.extra_args``. A request that sets no
   kv_* field (and meets no default budget) is left exactly as vLLM made it.
 * ``to_beam_search_params``: beam search builds its own sampling requests, so explicit kv_*
   fields with ``use_beam_search`` are a 400 (server defaults do not apply to it).
 * ``AsyncLLM.generate``: admission on the rendered prompt
-  (:func:`~obcache_vllm.vllm_ext.frontend.admission.admit`: the budget resolved, the
+  (:meth:`~obcache_vllm.admission.Admission.admit`: the budget resolved, the
   refusals, the pool's capacity), where every generate handler hands the prompt and its
   ``SamplingParams`` to the engine, synchronously (``generate`` returns an async generator
   that has not started). Raising there becomes vLLM's HTTP 400 even for a stream, whose 200
   is sent only after the handler returns. vLLM's own checks against the prompt
   (``InputProcessor.process_inputs``) run only when the generator is first iterated, inside
   a stream's 200, so the input processor then only encodes the admitted options
-  (``admission.admit_engine_request``): the offline ``LLM`` and the engine API are admitted
+  (``intake.admit_engine_request``): the offline ``LLM`` and the engine API are admitted
   there, in one step.
 * The chat/completion response builders: the scheduler puts each budgeted request's KV outcome
   on its outputs (``kv_transfer_params["obcache"]``, see ``wire.OUTCOME_KEY``); it is taken
@@ -42,9 +42,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from obcache_vllm import config, options
+from obcache_vllm import admission, config, options
+from obcache_vllm.admission import Prompt, Requested
 from obcache_vllm.options import ADMITTED_KEY, KvOptionsError, is_kv_option
-from obcache_vllm.vllm_ext.frontend import admission
+from obcache_vllm.vllm_ext.frontend import intake
 from obcache_vllm.vllm_ext.wire import OUTCOME_KEY
 
 logger = logging.getLogger(__name__)
@@ -62,10 +63,10 @@ SUMMED_FIELDS = (
     "reused_tokens",
 )
 
-_policy: config.Policy | None = None
+_policy: admission.Policy | None = None
 
 
-def server_policy() -> config.Policy:
+def server_policy() -> admission.Policy:
     """The validated server policy: kv_* defaults and their threshold (loaded once)."""
     global _policy
     if _policy is None:
@@ -86,7 +87,7 @@ def reset_defaults(
     """Replace the cached policy (tests); ``None`` reloads it on next use."""
     global _policy
     _policy = (
-        None if defaults is None else config.Policy(defaults, min_prompt_tokens, compress_at)
+        None if defaults is None else admission.Policy(defaults, min_prompt_tokens, compress_at)
     )
 
 
@@ -101,16 +102,13 @@ def requested_kv_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping
 
 
 def parse_fields(vllm_xargs: Mapping[str, Any] | None, top_level: Mapping[str, Any] | None):
-    """Stage 1 of admission: the request's :class:`~.admission.Requested` (its fields over the
-    server policy), or None.
+    """The request's :class:`~obcache_vllm.admission.Requested` (its fields over the server
+    policy), or None.
 
     Raises:
         KvOptionsError: a bad field, or the reserved key sent by the client.
     """
-    if vllm_xargs and ADMITTED_KEY in vllm_xargs:
-        raise KvOptionsError(
-            "vllm_xargs", f"the key {ADMITTED_KEY!r} is reserved for obcache-vllm", ADMITTED_KEY
-        )
+    admission.refuse_reserved(vllm_xargs)
     return admission.parse(requested_kv_fields(vllm_xargs, top_level), server_policy())
 
 
@@ -122,7 +120,7 @@ def _wrap_to_sampling_params(original):
             # beyond 64 bits in vllm_xargs as "extra_args", without naming the kv_* field.
             request = parse_fields(self.vllm_xargs, self.model_extra)
         except KvOptionsError as exc:
-            raise admission.rejected(exc) from exc
+            raise intake.rejected(exc) from exc
         params = original(self, *args, **kwargs)
         extra = params.extra_args or {}
         if request is None and not any(is_kv_option(k) for k in extra):
@@ -140,24 +138,23 @@ def _wrap_to_sampling_params(original):
 def _wrap_to_beam_search_params(original):
     @functools.wraps(original)
     def to_beam_search_params(self, *args, **kwargs):
-        requested = requested_kv_fields(self.vllm_xargs, self.model_extra)
-        if requested:
-            field = next(iter(requested))
-            raise admission.rejected(
-                KvOptionsError(field, "is not supported with use_beam_search", requested[field])
-            )
+        try:
+            admission.refuse_beam_search(requested_kv_fields(self.vllm_xargs, self.model_extra))
+        except KvOptionsError as exc:
+            raise intake.rejected(exc) from exc
         return original(self, *args, **kwargs)
 
     to_beam_search_params.__obcache_wrapped__ = True
     return to_beam_search_params
 
 
-def admit_rendered_prompt(vllm_config, inputs, params, lora_request=None) -> None:
+def admit_rendered_prompt(gate: admission.Admission, inputs, params, lora_request=None) -> None:
     """Admission of one rendered prompt on its way into the engine (see the module docstring).
 
-    ``inputs``: the handler's rendered prompt (an ``EngineInput``); ``params``: its sampling
-    parameters, whose ``extra_args`` hold the request's ``Requested`` (stage 1) when it has
-    kv_* fields or meets the policy's budget.
+    ``gate``: the engine's :class:`~obcache_vllm.admission.Admission`; ``inputs``: the
+    handler's rendered prompt (an ``EngineInput``); ``params``: its sampling parameters, whose
+    ``extra_args`` hold the request's ``Requested`` when it has kv_* fields or meets the
+    policy's budget.
 
     Raises:
         KvOptionsError: a bad option for this prompt, a refusal, or a request that can never
@@ -167,7 +164,8 @@ def admit_rendered_prompt(vllm_config, inputs, params, lora_request=None) -> Non
 
     extra = getattr(params, "extra_args", None)  # None for beam search and pooling
     requested = extra.get(ADMITTED_KEY) if extra else None
-    if isinstance(requested, admission.Requested):
+    vllm_config = gate.vllm_config
+    if isinstance(requested, Requested):
         components = extract_prompt_components(vllm_config.model_config, inputs)
         token_ids, embeds = components.token_ids, components.embeds
         if token_ids is not None:
@@ -175,15 +173,9 @@ def admit_rendered_prompt(vllm_config, inputs, params, lora_request=None) -> Non
         else:
             num_prompt = len(embeds) if embeds is not None else 0
         salt = inputs.get("cache_salt") if isinstance(inputs, Mapping) else None
-        admitted = admission.admit(
-            vllm_config,
-            requested,
-            num_prompt,
-            prompt_embeds=embeds is not None,
-            max_tokens=params.max_tokens,
-            prompt_token_ids=token_ids,
-            seed=admission.prompt_seed(salt, lora_request),
-        )
+        seed = admission.prompt_seed(salt, lora_request)
+        prompt = Prompt(num_prompt, embeds is not None, token_ids, seed, params.max_tokens)
+        admitted = gate.admit(requested, prompt)
         if admitted is None:  # the policy's budget does not apply here: a stock request
             del extra[ADMITTED_KEY]
             params.extra_args = extra or None
@@ -207,10 +199,10 @@ def _wrap_generate(original):
     def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
         if isinstance(prompt, Mapping) and "type" in prompt:
             try:
-                admit_rendered_prompt(self.vllm_config, prompt, sampling_params,
-                                      kwargs.get("lora_request"))  # fmt: skip
+                admit_rendered_prompt(intake.admission_of(self.input_processor), prompt,
+                                      sampling_params, kwargs.get("lora_request"))  # fmt: skip
             except KvOptionsError as exc:
-                raise admission.rejected(exc) from exc
+                raise intake.rejected(exc) from exc
         return original(self, prompt, sampling_params, request_id, *args, **kwargs)
 
     generate.__obcache_wrapped__ = True
@@ -355,7 +347,7 @@ def config_document() -> dict[str, Any]:
     return {
         "scorers": list(SCORER_NAMES),
         "pipelines": list(pipeline_names()),
-        "request_fields": list(options.WIRE_FIELDS),
+        "request_fields": list(options.FIELDS),
         "defaults": dict(server_defaults()),
         "policy": {
             "default_budget": server_defaults().get("kv_budget"),

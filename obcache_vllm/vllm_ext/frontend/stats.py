@@ -13,9 +13,9 @@ Path (every metric is defined in :mod:`obcache_vllm.metrics`):
    as the ``vllm.stat_logger_plugins`` entry point ``obcache``; :func:`stat_logger_factories`
    also adds it where that entry point is not installed (e.g. a source checkout).
 3. Rejections happen in admission, in the API server's input processing: the live logger hands
-   admission its counter (:func:`~obcache_vllm.vllm_ext.frontend.admission.
+   the front end's intake its counter (:func:`~obcache_vllm.vllm_ext.frontend.intake.
    count_rejections_with`; without a logger, e.g. the offline ``LLM``, nothing counts), so
-   admission never imports this module.
+   the intake never imports this module.
 
 Counters are fed by deltas of EngineCore's cumulative totals, so a lost stats message loses no
 count; histograms by the drained per-step lists.
@@ -27,8 +27,9 @@ import logging
 
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-from obcache_vllm import metrics
-from obcache_vllm.vllm_ext.frontend import admission
+from obcache_vllm import admission, metrics
+from obcache_vllm.vllm_ext.frontend import intake
+from obcache_vllm.vllm_ext.seams import platform_backend
 from obcache_vllm.vllm_ext.wire import STATS_ATTR
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class OBCachePrometheusStatLogger(PrometheusStatLogger):
         # The scheduler reports cumulative totals; the last one seen per (engine, metric, labels).
         self._obcache_seen: dict[tuple, int] = {}
         rejected = self.obcache_rejected
-        admission.count_rejections_with(lambda field: rejected.labels(field=field).inc())
+        intake.count_rejections_with(lambda field: rejected.labels(field=field).inc())
         _announce_refusals(vllm_config)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
@@ -131,7 +132,8 @@ def _announce_refusals(vllm_config) -> None:
     """At server start: say once if this configuration refuses budgets, and why (e.g. the V2
     model runner, with the setting that selects the V1 one)."""
     try:
-        reason = admission.unsupported_reason(vllm_config)
+        capabilities = admission.CAPABILITIES[platform_backend()]
+        reason = admission.engine_refusal(vllm_config, capabilities)
     except Exception as exc:  # never keep the server from starting over a message
         reason = f"(could not be checked: {exc})"
     if reason is not None:

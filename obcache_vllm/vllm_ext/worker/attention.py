@@ -30,7 +30,8 @@ An adapter (one module per backend in :mod:`obcache_vllm.vllm_ext.worker.backend
     request's K/V for its first ``N`` resident slots, and scatters compacted rows back, both by
     block id (whole blocks, never a per-element index of size [Hkv, N, D]);
 (b) :meth:`BackendAdapter.shift_reads`: how that backend's read metadata skips dead blocks;
-(c) :meth:`BackendAdapter.unsupported_reason`: which configurations it refuses.
+(c) its row of :data:`obcache_vllm.admission.CAPABILITIES`: what it serves, from which
+    admission refuses the rest before a request reaches the engine.
 
 Everything else (which queries to keep, when to score, selection, compaction orders, fault
 containment) is here and in the runner mixin, and never looks at pipeline names: it asks the
@@ -75,13 +76,9 @@ class BackendAdapter(ABC):
 
         Returns the ``CommonAttentionMetadata`` the backend's builder is given."""
 
-    @staticmethod
-    @abstractmethod
-    def unsupported_reason(vllm_config: Any) -> str | None:
-        """(c) Why budgeted requests cannot be served with this configuration, or None."""
-
-    # (d) Per-head memory (optional; see :mod:`obcache_vllm.eviction.heads`). An adapter
-    # without it never sees such a row: admission refuses those pipelines elsewhere.
+    # (d) Per-head memory (optional; see :mod:`obcache_vllm.eviction.heads`), declared in the
+    # adapter's capabilities: an adapter without it never sees such a row (admission refuses
+    # those pipelines).
     per_head_memory: ClassVar[bool] = False
 
     def head_reads(self, common_attn_metadata: Any, plan: StepPlan, num_kv_heads: int) -> Any:

@@ -26,10 +26,13 @@ def main() -> None:
 
     spec = json.loads(sys.argv[1])
     if spec.get("lift"):  # show what the refusal prevents (tests only): admit as token ids
-        from obcache_vllm.vllm_ext.frontend import admission
+        import dataclasses
 
-        admit = admission._admit
-        admission._admit = lambda cfg, req, n, embeds, *rest: admit(cfg, req, n, False, *rest)
+        from obcache_vllm import admission
+
+        admit = admission.Admission.admit
+        admission.Admission.admit = lambda gate, requested, prompt: admit(
+            gate, requested, dataclasses.replace(prompt, embeds=False))
     llm = LLM(**spec["engine"], enable_prompt_embeds=True)
     ids = llm.get_tokenizer()(haystack(12, seed=5)).input_ids
     weights = Path(spec["engine"]["model"]) / "model.safetensors"

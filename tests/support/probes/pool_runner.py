@@ -38,14 +38,14 @@ def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     lifted = set(spec.get("lift", ()))  # show what a refusal prevents (tests only)
     if lifted:
-        from obcache_vllm.vllm_ext.frontend import admission
+        from obcache_vllm import admission
 
         if "speculative" in lifted:
-            admission._speculative_refusal = lambda vllm_config, options: None
+            admission.speculative_refusal = lambda vllm_config, options: None
         if "config" in lifted:  # every refusal of the engine configuration
-            admission.unsupported_reason = lambda vllm_config: None
+            admission.engine_refusal = lambda vllm_config, capabilities: None
         if "hybrid" in lifted:  # the options refused on interleaved sliding-window models
-            admission._hybrid_refusal = lambda vllm_config, options: None
+            admission.hybrid_refusal = lambda vllm_config, options: None
     out: dict = {}
     try:
         llm = LLM(**spec["engine"])

@@ -30,14 +30,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from obcache_vllm.admission import Admission
 from obcache_vllm.eviction.entries import HeldEntries
 from obcache_vllm.eviction.oracle import VERIFY_ENV
 from obcache_vllm.options import admitted_options
 from obcache_vllm.vllm_ext.engine.scheduler import OBCacheScheduler
-from obcache_vllm.vllm_ext.frontend import admission
-from obcache_vllm.vllm_ext.install import scheduler_refusal
+from obcache_vllm.vllm_ext.frontend import intake
 from obcache_vllm.vllm_ext.wire import OUTCOME_KEY
-from obcache_vllm.vllm_ext.worker.backends import platform_capabilities, platform_refusal
 
 from . import checks
 from .worker import LAYER, SymbolicWorker, Violation
@@ -107,20 +106,6 @@ def _vllm_config(block_size, num_blocks, prefix_caching, max_num_seqs, max_batch
                       cache_config=cache, device_config=DeviceConfig("cpu"))  # fmt: skip
 
 
-_bound = False
-
-
-def _bind_admission() -> None:
-    """The refusals admission reads from other processes' classes (``install`` binds them in
-    a served process): the CPU platform's refusal and capabilities, and the scheduler-class
-    check."""
-    global _bound
-    if not _bound:
-        admission.bind_platform(platform=platform_refusal(), scheduler=scheduler_refusal,
-                       capabilities=platform_capabilities())  # fmt: skip
-        _bound = True
-
-
 @dataclass
 class Result:
     """What a request got: its tokens, finish reason, KV outcome; or why it was refused."""
@@ -135,12 +120,11 @@ class Sim:
     """One simulated engine (see the module docstring)."""
 
     def __init__(self, cfg: SimConfig) -> None:
-        _bind_admission()
-        # The front end's index of recent prompts ("auto") is per process: a new engine
-        # starts with a fresh one, as a new server would (else a case depends on the last).
-        admission._sightings.clear()
         self.cfg = cfg
         self.config = vllm_config(cfg)
+        # Admission for this engine: its own index of recent prompts ("auto"), as a new
+        # server starts with (else a case would depend on the last).
+        self.gate = Admission.for_engine(self.config, "cpu")
         spec = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=1, head_size=1,
                                  dtype=torch.float32)  # fmt: skip
         kv_config = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[],
@@ -208,7 +192,7 @@ class Sim:
         )  # fmt: skip
         result = self.results.setdefault(req_id, Result())
         try:
-            admission.admit_engine_request(self.config, request)
+            intake.admit_engine_request(self.gate, request)
         except VLLMValidationError as exc:
             result.refused = str(exc)
             return result

@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from obcache_vllm.admission import CAPABILITIES
 from obcache_vllm.eviction.heads import head_tables, regroup_index
 from obcache_vllm.eviction.paged import shift_rows_in_place
 from obcache_vllm.eviction.quantized import dequantize, fp8_format, is_quantized
@@ -42,7 +43,6 @@ from obcache_vllm.vllm_ext.worker.attention import (
     EvictingBuilderMixin,
     EvictingImplMixin,
 )
-from obcache_vllm.vllm_ext.worker.backends.refusals import CAPABILITIES, cpu_refusal
 from obcache_vllm.vllm_ext.worker.runner import EvictingRunnerMixin
 from obcache_vllm.vllm_ext.worker.seeded import SeededCpuSamplingMixin
 
@@ -254,7 +254,7 @@ def shift_block_table(
 
 
 class CpuAdapter(BackendAdapter):
-    name = "CPU_ATTN"
+    name = CAPABILITIES["cpu"].adapter
     per_head_memory = CAPABILITIES["cpu"].per_head_memory
 
     def kv_view(self, kv_cache, layer, impl) -> CpuKvView:
@@ -291,10 +291,6 @@ class CpuAdapter(BackendAdapter):
 
     def attend_per_head(self, impl, layer, query, kv_cache, metadata, output) -> None:
         attend_per_head(impl, layer, query, kv_cache, metadata, output)
-
-    @staticmethod
-    def unsupported_reason(vllm_config) -> str | None:
-        return cpu_refusal(vllm_config)
 
 
 ADAPTER = CpuAdapter()

@@ -19,7 +19,8 @@ run by the project on a GPU yet: the pure-torch parts are tested on CPU tensors
     and FA3's ahead-of-time scheduler read them). Nothing else reads those buffers after the
     build in the same step: the slot mapping was computed from the logical table before, and
     the next step's ``commit_block_table`` / ``_prepare_inputs`` rewrite them.
-(c) Refusals (:meth:`FlashAttnAdapter.unsupported_reason`), each a real hazard:
+(c) Refusals (declared in :data:`obcache_vllm.admission.CAPABILITIES`, refused by
+    :func:`obcache_vllm.admission.platform_refusal`), each a real hazard:
 
     * full CUDA graphs (``cudagraph_mode`` FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE, the
       default): a full graph replays the attention kernels without running Python, so a
@@ -56,6 +57,7 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from obcache_vllm.admission import CAPABILITIES
 from obcache_vllm.eviction.paged import shift_rows_in_place
 from obcache_vllm.eviction.step import StepPlan
 from obcache_vllm.vllm_ext.worker.attention import (
@@ -67,15 +69,11 @@ from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
     DeadCounts,
     FlashAttnKvView,
 )
-from obcache_vllm.vllm_ext.worker.backends.refusals import (
-    BACKEND_NAME,
-    flash_attn_refusal,
-)
 from obcache_vllm.vllm_ext.worker.runner import EvictingRunnerMixin
 
 
 class FlashAttnAdapter(BackendAdapter):
-    name = BACKEND_NAME
+    name = CAPABILITIES["cuda"].adapter
 
     def __init__(self) -> None:
         self._dead: DeadCounts | None = None  # per worker process (one device)
@@ -102,10 +100,6 @@ class FlashAttnAdapter(BackendAdapter):
         upper = upper[:num_rows] - dead_host * plan.block_size  # [R] host
         max_seq_len = int(upper.max()) if num_rows else 0
         return dataclasses.replace(cm, seq_lens_cpu_upper_bound=upper, max_seq_len=max_seq_len)
-
-    @staticmethod
-    def unsupported_reason(vllm_config) -> str | None:
-        return flash_attn_refusal(vllm_config)
 
 
 ADAPTER = FlashAttnAdapter()
@@ -163,7 +157,7 @@ class OBCacheGPUModelRunner(EvictingRunnerMixin, GPUModelRunner):
 def _wrap_make_model_runner(original):
     @functools.wraps(original)
     def _make_model_runner(self):
-        if self.use_v2_model_runner:  # budgets are refused with V2 (refusals.flash_attn_refusal)
+        if self.use_v2_model_runner:  # budgets are refused with V2 (obcache_vllm.admission)
             return original(self)
         return OBCacheGPUModelRunner(self.vllm_config, self.device)
 
