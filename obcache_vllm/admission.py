@@ -217,7 +217,7 @@ class Policy:
     """The server's kv_* defaults and when they apply (loaded and validated by
     :func:`obcache_vllm.config.load_policy`; the offline ``LLM`` has none).
 
-    ``defaults``: every wire field's default (``None``: no default). ``min_prompt_tokens``:
+    ``defaults``: every request field's default (``None``: no default). ``min_prompt_tokens``:
     the default budget applies to prompts of at least this many tokens. ``compress_at``:
     where the default budget compresses (``"auto"``: the prefix the prompt shares with recent
     prompts; None: the whole prompt).
@@ -933,23 +933,33 @@ def parse(fields: Mapping[str, Any] | None, policy: Policy | None = None) -> Req
     return Requested(request, policy.min_prompt_tokens if from_policy else None)
 
 
+# The front end's own extra_args keys, one type each, while a served request is between its
+# steps: the server's parse leaves a Requested, its prompt check an Admitted in its place; the
+# input processor's step takes both off and writes the wire tuple under options.ADMITTED_KEY
+# (which holds nothing else). A key never changes type.
+REQUESTED_KEY = "obcache_requested"
+CHECKED_KEY = "obcache_admitted"
+STAGE_KEYS = {REQUESTED_KEY: Requested, CHECKED_KEY: Admitted}
+RESERVED_KEYS = (options.ADMITTED_KEY, *STAGE_KEYS)
+
+
 def refuse_reserved(vllm_xargs: Mapping[str, Any] | None) -> None:
-    """The admitted options' key is the plugin's own: a client cannot send it."""
-    if vllm_xargs and options.ADMITTED_KEY in vllm_xargs:
-        raise KvOptionsError(
-            "vllm_xargs", f"the key {options.ADMITTED_KEY!r} is reserved for obcache-vllm",
-            options.ADMITTED_KEY,
-        )  # fmt: skip
+    """The plugin's own extra_args keys: a client cannot send them."""
+    for key in RESERVED_KEYS:
+        if vllm_xargs and key in vllm_xargs:
+            raise KvOptionsError("vllm_xargs", f"the key {key!r} is reserved for obcache-vllm",
+                                 key)  # fmt: skip
 
 
-def refuse_foreign(value: Any) -> None:
-    """What the admitted options' key holds in the front end is admission's own
-    (:class:`Requested`, :class:`Admitted`), made by the server's seams; anything else there
-    came from outside (an offline caller's ``extra_args``, a forged wire tuple) and is
+def refuse_foreign(extra: Mapping[str, Any]) -> None:
+    """What the plugin's keys hold before the input processor's step is admission's own (a
+    :class:`Requested`, an :class:`Admitted`, made by the server's seams) or nothing; anything
+    else came from outside (an offline caller's ``extra_args``, a forged wire tuple) and is
     refused."""
-    if value is not None and not isinstance(value, (Requested, Admitted)):
-        raise KvOptionsError(options.ADMITTED_KEY, "is reserved for obcache-vllm's admission",
-                             value)  # fmt: skip
+    for key in RESERVED_KEYS:
+        value = extra.get(key)
+        if value is not None and not isinstance(value, STAGE_KEYS.get(key, ())):
+            raise KvOptionsError(key, "is reserved for obcache-vllm's admission", value)
 
 
 def refuse_beam_search(fields: Mapping[str, Any]) -> None:
@@ -1001,23 +1011,23 @@ def hinted_fields(kv_hints) -> dict[str, Any]:
     return dict(payload)
 
 
-def prompt_seed(cache_salt, lora_request):
-    """What besides its tokens decides whether two prompts may share KV (the sightings'
-    seed): the cache salt and the LoRA adapter, as in vLLM's block hashes."""
-    return (cache_salt, getattr(lora_request, "lora_name", None))
-
-
 @dataclass(frozen=True)
 class Prompt:
     """What admission reads of a request's prompt: its length, whether it carries embeddings
-    (all or some positions), its token ids and sightings seed (``kv_compress_at: "auto"``),
-    the request's ``max_tokens``."""
+    (all or some positions), its token ids, the request's ``max_tokens``, and what besides its
+    tokens decides whether two prompts may share KV (its cache salt and LoRA adapter, as in
+    vLLM's block hashes: the seed of ``kv_compress_at: "auto"``'s index)."""
 
     length: int
     embeds: bool = False
     token_ids: Any = None
-    seed: Any = None
     max_tokens: int | None = None
+    cache_salt: Any = None
+    lora_name: str | None = None
+
+    @property
+    def seed(self):
+        return (self.cache_salt, self.lora_name)
 
 
 @dataclass(frozen=True)
@@ -1133,3 +1143,51 @@ class Admission:
         if admitted.from_policy:
             return None
         raise KvOptionsError("kv_budget", STREAMING_REFUSAL, admitted.options.budget)
+
+    def engine_extra_args(self, extra: Mapping[str, Any], prompt: Prompt, *, kv_hints=None,
+                          session_id: str | None = None, resumable: bool = False):
+        """A request's ``extra_args`` as it leaves the front end (the input processor's step,
+        for every front end): ``extra`` itself where nothing changes, else a new mapping with
+        the admitted options' wire tuple under ``ADMITTED_KEY`` (or without any kv_* field:
+        a stock request).
+
+        * an :class:`Admitted` under :data:`CHECKED_KEY` (the server admitted it on the
+          rendered prompt): encoded as is, or joined to vLLM's ``session_id``
+          (:meth:`join_session`).
+        * a :class:`Requested` under :data:`REQUESTED_KEY` (parsed by the server, not
+          admitted yet): admitted here.
+        * raw ``kv_*`` fields (offline ``LLM``, the engine API): parsed and admitted here.
+        * anything else under the plugin's keys: refused (:func:`refuse_foreign`).
+        * no options: a stock request; only the pool's size can refuse it.
+
+        The engine API's ``kv_hints`` (:func:`hinted_fields`) give a request kv_* fields an
+        orchestrator chose: the request's own kv_* fields win field by field, the hint fills
+        in the rest (a request the server already parsed or admitted keeps its own). A
+        streaming-input request (``resumable``) is refused, or served as stock where the
+        budget was the policy's (:meth:`streaming`).
+
+        Raises:
+            KvOptionsError: naming the field.
+        """
+        ours = [key for key in RESERVED_KEYS if key in extra]
+        hints = hinted_fields(kv_hints) if not ours else {}
+        if not ours and not hints and not any(is_kv_option(k) for k in extra):
+            if prompt.length and pool_is_short(self.vllm_config):
+                check_fits(self.vllm_config, prompt.length, prompt.max_tokens, None)
+            return extra
+        refuse_foreign(extra)
+        rest = {k: v for k, v in extra.items()
+                if not is_kv_option(k) and k not in RESERVED_KEYS}  # fmt: skip
+        admitted = extra.get(CHECKED_KEY)
+        if admitted is None:
+            own = {k: v for k, v in extra.items() if is_kv_option(k)}
+            requested = extra.get(REQUESTED_KEY) or parse({**hints, **own})
+            if requested is None:  # "kv_budget": null: a stock request, its fields dropped
+                return rest
+            admitted = self.admit(requested, prompt)
+        if admitted is not None and resumable:
+            admitted = self.streaming(admitted)
+        if admitted is None:  # the policy's budget does not apply: a stock request
+            return rest
+        admitted = self.join_session(admitted, session_id, prompt)
+        return {**rest, options.ADMITTED_KEY: admitted.options.to_wire()}

@@ -52,7 +52,7 @@ POLICY_KEYS: dict[str, tuple[str, Any]] = {
 }
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "default.yaml"
 
-# Every wire field's built-in server default (None: no default), from the options' table.
+# Every request field's built-in server default (None: no default), from the options' table.
 BUILTIN_DEFAULTS: dict[str, Any] = options.TABLE.builtin_defaults()
 # Options that depend on the request's own prompt: no server-wide default.
 PER_REQUEST_ONLY = options.TABLE.per_request_only()
@@ -135,7 +135,7 @@ def load_policy(environ: Mapping[str, str] | None = None) -> Policy:
 
 
 def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = False) -> dict:
-    """The validated server-wide defaults (every wire field; ``None`` = no default)."""
+    """The validated server-wide defaults (every request field; ``None`` = no default)."""
     import yaml
 
     environ = os.environ if environ is None else environ

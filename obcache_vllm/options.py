@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 # kv_-prefixed extra_args keys that belong to vLLM, not to us (KV-connector transfer params).
 FOREIGN_KV_KEYS = ("kv_transfer_params",)
 
-# The extra_args key of the admitted options: the front end's stage objects between its steps
-# (admission.Requested, then admission.Admitted), the wire tuple once the request leaves the
-# input processor. Reserved: a client that
-# sends it in vllm_xargs gets a 400.
+# The extra_args key of the admitted options' wire tuple: written by the input processor's step
+# (admission), read by EngineCore and the worker; it holds nothing else. Reserved, as are the
+# front end's own keys (admission.STAGE_KEYS): a client that sends one in vllm_xargs gets a
+# 400.
 ADMITTED_KEY = "obcache"
 WIRE_VERSION = "obcache/1"
 
@@ -68,7 +68,7 @@ FIRST_POINT = 1
 
 
 class KvOptionsError(ValueError):
-    """A kv_* request option is invalid. ``field`` is the wire name (e.g. ``kv_budget``)."""
+    """A kv_* request option is invalid. ``field`` is the request field it names (``kv_budget``)."""
 
     def __init__(self, field: str, message: str, value: Any = None) -> None:
         super().__init__(f"{field}: {message}")

@@ -96,7 +96,7 @@ def resolve_positions(
     return q_pos, k_pos
 
 
-def per_head_layout(x: Tensor, dtype: torch.dtype) -> Tensor:
+def heads_first(x: Tensor, dtype: torch.dtype) -> Tensor:
     """[T, Hkv, D] -> [Hkv, T, D] in ``dtype``, each head's [T, D] block row-contiguous.
 
     No copy when x already is such a view (e.g. ``transpose(0, 1)`` of a contiguous or
@@ -125,12 +125,12 @@ class Resident:
 
     @classmethod
     def from_kv(cls, k: Tensor, v: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Resident:
-        return cls(keys=per_head_layout(k, dtype), k_pos=k_pos, raw_values=v)
+        return cls(keys=heads_first(k, dtype), k_pos=k_pos, raw_values=v)
 
     @cached_property
     def values(self) -> Tensor:
         """V [Hkv, T, Dv] in the compute dtype."""
-        return per_head_layout(self.raw_values, self.keys.dtype)
+        return heads_first(self.raw_values, self.keys.dtype)
 
     @cached_property
     def value_sq(self) -> Tensor:

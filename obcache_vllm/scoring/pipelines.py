@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from obcache_vllm.scoring.attention import compute_dtype, per_head_layout, resolve_positions
+from obcache_vllm.scoring.attention import compute_dtype, heads_first, resolve_positions
 from obcache_vllm.scoring.geometry import HeadGeometry
 from obcache_vllm.scoring.running import RunningScores
 from obcache_vllm.scoring.scores import Scorer
@@ -221,8 +221,8 @@ class H2O(Pipeline):
         dtype = compute_dtype(q, k, v)
         scores = k.new_zeros((geom.num_kv_heads, num_t), dtype=dtype)  # [Hkv, T]
         # Lay K/V out per head once; each chunk then reads a T-slice of it without copying.
-        keys = per_head_layout(k, dtype)  # [Hkv, T, D]
-        values = per_head_layout(v, dtype)  # [Hkv, T, Dv]
+        keys = heads_first(k, dtype)  # [Hkv, T, D]
+        values = heads_first(v, dtype)  # [Hkv, T, Dv]
         sorted_keys = k_pos.dim() == 1 and bool((k_pos[1:] >= k_pos[:-1]).all())
         rows = max(1, self.chunk_elements // max(1, geom.num_q_heads * num_t))
         for start in range(0, num_w, rows):

@@ -32,10 +32,8 @@ def check_rendered_prompt(handler, inputs, fields):
     """The server's admission of one rendered prompt, for a request with these kv_* fields."""
     from types import SimpleNamespace
 
-    from obcache_vllm.options import ADMITTED_KEY
-
     requested = support.parse(fields)
-    extra = {} if requested is None else {ADMITTED_KEY: requested}
+    extra = {} if requested is None else {support.REQUESTED_KEY: requested}
     gate = support.Admission.for_engine(handler.engine_client.vllm_config, "cpu")
     admit_rendered_prompt(gate, inputs, SimpleNamespace(extra_args=extra, max_tokens=8))
 

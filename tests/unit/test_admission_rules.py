@@ -290,7 +290,8 @@ CASES = [
     # the front end's own keys and paths
     ("reserved-key", lambda: admission.refuse_reserved({"obcache": 1}), "vllm_xargs",
      "reserved"),
-    ("foreign-slot", lambda: admission.refuse_foreign(("obcache/1", 64)), "obcache", "reserved"),
+    ("foreign-slot", lambda: admission.refuse_foreign({"obcache": ("obcache/1", 64)}), "obcache",
+     "reserved"),
     ("beam-search", lambda: admission.refuse_beam_search({"kv_budget": 64}), "kv_budget",
      "use_beam_search"),
     ("hints-twice", lambda: admission.hinted_fields(hints(action(), action())), "kv_hints",
@@ -368,8 +369,20 @@ def test_the_scheduler_names_are_the_classes():
     assert admission.scheduler_refusal(ours) is None
 
 
-def test_admitted_and_requested_are_the_only_stage_objects():
-    options = admission.parse_kv_options(B, 1000)
-    for value in (None, Requested(admission.parse_request(B)), Admitted(options)):
-        admission.refuse_foreign(value)
+def test_each_of_the_front_ends_keys_holds_one_type():
+    """A Requested under its key, an Admitted under its own, the wire tuple only after the
+    input processor's step: anything else under one of them is refused, and each is
+    reserved in a client's vllm_xargs."""
+    requested = Requested(admission.parse_request(B))
+    admitted = Admitted(admission.parse_kv_options(B, 1000))
+    admission.refuse_foreign({admission.REQUESTED_KEY: requested,
+                              admission.CHECKED_KEY: admitted})  # fmt: skip
+    for key, value in ((admission.REQUESTED_KEY, admitted), (admission.CHECKED_KEY, requested),
+                       ("obcache", admitted), ("obcache", admitted.options.to_wire())):
+        with pytest.raises(KvOptionsError) as info:
+            admission.refuse_foreign({key: value})
+        assert info.value.field == key
+    for key in admission.RESERVED_KEYS:
+        with pytest.raises(KvOptionsError, match=key):
+            admission.refuse_reserved({key: 1})
     assert dataclasses.is_dataclass(Admitted) and dataclasses.is_dataclass(Requested)

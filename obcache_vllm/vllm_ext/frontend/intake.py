@@ -14,25 +14,25 @@ process)::
   EngineCore (scheduler) and worker: KvOptions.from_wire, never re-validated; a request with
   kv_* fields but no (or a broken) wire form is a counted fault there, never silently stock.
 
-``extra_args["obcache"]`` holds the front end's stage objects (``Requested`` from the server's
-parse, ``Admitted`` from its prompt check) until this step replaces them by the wire tuple;
-only admission makes them, so a client cannot send one (anything else under that key from
-outside is refused). The server policy is passed to the parse, never stamped on the client's
-request. Each engine's :class:`~obcache_vllm.admission.Admission` (its configuration, the
-platform's declared capabilities, its index of recent prompts) is built once, on its input
-processor (:func:`admission_of`). This module imports neither the server nor the stat logger
-(an import-linter contract): the stat logger hands it its rejection counter
+The server's steps leave their stage objects in ``extra_args`` under keys of their own, one
+type each (``admission.REQUESTED_KEY``: a ``Requested``; ``admission.CHECKED_KEY``: an
+``Admitted``); this step takes them off and writes the wire tuple under ``"obcache"``, which
+holds nothing else. Only admission makes them, so a client cannot send one (the keys are
+reserved, and anything else under them from outside is refused). The server policy is passed
+to the parse, never stamped on the client's request. Each engine's
+:class:`~obcache_vllm.admission.Admission` (its configuration, the platform's declared
+capabilities, its index of recent prompts) is built once, on its input processor
+(:func:`admission_of`). This module imports neither the server nor the stat logger (an
+import-linter contract): the stat logger hands it its rejection counter
 (:func:`count_rejections_with`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from obcache_vllm import admission
-from obcache_vllm.admission import Admission, Admitted, Prompt
-from obcache_vllm.options import ADMITTED_KEY, KvOptionsError, is_kv_option
+from obcache_vllm.admission import Admission, Prompt
+from obcache_vllm.options import KvOptionsError
 from obcache_vllm.vllm_ext.seams import platform_backend
 
 # Counts a refusal by field: set by the live Prometheus logger (frontend/stats.py), which
@@ -70,28 +70,18 @@ def admission_of(processor) -> Admission:
 
 
 def _prompt(engine_request) -> Prompt:
+    """What admission reads of vLLM's engine request's prompt."""
     token_ids, embeds = engine_request.prompt_token_ids, engine_request.prompt_embeds
     length = len(token_ids) if token_ids is not None else len(embeds) if embeds is not None else 0
-    params = engine_request.sampling_params
-    seed = admission.prompt_seed(engine_request.cache_salt, engine_request.lora_request)
-    return Prompt(length, embeds is not None, token_ids, seed, params.max_tokens)
+    return Prompt(length, embeds is not None, token_ids,
+                  max_tokens=engine_request.sampling_params.max_tokens,
+                  cache_salt=engine_request.cache_salt,
+                  lora_name=getattr(engine_request.lora_request, "lora_name", None))  # fmt: skip
 
 
 def admit_engine_request(gate: Admission, engine_request) -> None:
-    """The input processor's step: the request leaves the front end with its wire form.
-
-    * :class:`~obcache_vllm.admission.Admitted` (the server admitted it on the rendered
-      prompt): encoded as is, or joined to the vLLM ``session_id`` the request carries.
-    * :class:`~obcache_vllm.admission.Requested` (parsed by the server, not admitted yet):
-      admitted here.
-    * raw ``kv_*`` extra_args (offline ``LLM``, the engine API): parsed and admitted here.
-    * anything else under the reserved key: refused.
-    * no options: a stock request; only the pool's size can refuse it.
-
-    The engine API's ``kv_hints`` (:func:`~obcache_vllm.admission.hinted_fields`) give a
-    request kv_* fields an orchestrator chose: the request's own kv_* ``extra_args`` win field
-    by field, the hint fills in the rest (a request the server already parsed or admitted
-    keeps its own).
+    """The input processor's step: the request leaves the front end with its wire form
+    (:meth:`~obcache_vllm.admission.Admission.engine_extra_args` decides it).
 
     The request's ``sampling_params`` is the input processor's own copy: its ``extra_args``
     is replaced, never mutated (the caller's params may be shared across prompts).
@@ -102,43 +92,14 @@ def admit_engine_request(gate: Admission, engine_request) -> None:
     params = engine_request.sampling_params
     if params is None:
         return
+    extra = params.extra_args or {}
     try:
-        extra_args = _admitted_extra_args(gate, engine_request, params.extra_args or {})
+        new = gate.engine_extra_args(
+            extra, _prompt(engine_request), kv_hints=getattr(engine_request, "kv_hints", None),
+            session_id=getattr(engine_request, "session_id", None),
+            resumable=bool(getattr(engine_request, "resumable", False)),
+        )  # fmt: skip
     except KvOptionsError as exc:
         raise rejected(exc) from exc
-    if extra_args is not _UNCHANGED:
-        params.extra_args = extra_args or None
-
-
-_UNCHANGED = object()
-
-
-def _admitted_extra_args(gate: Admission, engine_request, extra: dict[str, Any]):
-    """The request's new ``extra_args`` (:data:`_UNCHANGED`: as they are)."""
-    value = extra.get(ADMITTED_KEY)
-    kv_hints = getattr(engine_request, "kv_hints", None)
-    hints = admission.hinted_fields(kv_hints) if value is None else {}
-    if value is None and not hints and not any(is_kv_option(k) for k in extra):
-        has_prompt = (engine_request.prompt_token_ids is not None
-                      or engine_request.prompt_embeds is not None)  # fmt: skip
-        if has_prompt and admission.pool_is_short(gate.vllm_config):
-            prompt = _prompt(engine_request)
-            admission.check_fits(gate.vllm_config, prompt.length, prompt.max_tokens, None)
-        return _UNCHANGED
-    rest = {k: v for k, v in extra.items() if not is_kv_option(k) and k != ADMITTED_KEY}
-    prompt = _prompt(engine_request)
-    admission.refuse_foreign(value)
-    if isinstance(value, Admitted):
-        admitted = value
-    else:
-        own = {k: v for k, v in extra.items() if is_kv_option(k)}
-        requested = value if value is not None else admission.parse({**hints, **own})
-        if requested is None:  # "kv_budget": null: a stock request, its fields dropped
-            return rest
-        admitted = gate.admit(requested, prompt)
-    if admitted is not None and getattr(engine_request, "resumable", False):
-        admitted = gate.streaming(admitted)
-    if admitted is None:  # the policy's budget does not apply: a stock request
-        return rest
-    admitted = gate.join_session(admitted, getattr(engine_request, "session_id", None), prompt)
-    return {**rest, ADMITTED_KEY: admitted.options.to_wire()}
+    if new is not extra:
+        params.extra_args = new or None

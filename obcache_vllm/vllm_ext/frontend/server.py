@@ -12,7 +12,7 @@ and protocol stay in charge; the wrappers only:
   (:mod:`obcache_vllm.config`), and parse them: admission's stage 1
   (:func:`~obcache_vllm.admission.parse`, the policy passed in). The
   :class:`~obcache_vllm.admission.Requested` replaces the raw fields in
-  ``SamplingParams.extra_args``. A request that sets no
+  ``SamplingParams.extra_args`` (under ``admission.REQUESTED_KEY``). A request that sets no
   kv_* field (and meets no default budget) is left exactly as vLLM made it.
 * ``to_beam_search_params``: beam search builds its own sampling requests, so explicit kv_*
   fields with ``use_beam_search`` are a 400 (server defaults do not apply to it).
@@ -44,7 +44,7 @@ from typing import Any
 
 from obcache_vllm import admission, config, options
 from obcache_vllm.admission import Prompt, Requested
-from obcache_vllm.options import ADMITTED_KEY, KvOptionsError, is_kv_option
+from obcache_vllm.options import KvOptionsError, is_kv_option
 from obcache_vllm.vllm_ext.frontend import intake
 from obcache_vllm.vllm_ext.wire import OUTCOME_KEY
 
@@ -127,7 +127,7 @@ def _wrap_to_sampling_params(original):
             return params  # a stock request, untouched
         rest = {k: v for k, v in extra.items() if not is_kv_option(k)}
         if request is not None:
-            rest[ADMITTED_KEY] = request
+            rest[admission.REQUESTED_KEY] = request
         params.extra_args = rest or None
         return params
 
@@ -163,7 +163,7 @@ def admit_rendered_prompt(gate: admission.Admission, inputs, params, lora_reques
     from vllm.renderers.inputs.preprocess import extract_prompt_components
 
     extra = getattr(params, "extra_args", None)  # None for beam search and pooling
-    requested = extra.get(ADMITTED_KEY) if extra else None
+    requested = extra.get(admission.REQUESTED_KEY) if extra else None
     vllm_config = gate.vllm_config
     if isinstance(requested, Requested):
         components = extract_prompt_components(vllm_config.model_config, inputs)
@@ -173,14 +173,15 @@ def admit_rendered_prompt(gate: admission.Admission, inputs, params, lora_reques
         else:
             num_prompt = len(embeds) if embeds is not None else 0
         salt = inputs.get("cache_salt") if isinstance(inputs, Mapping) else None
-        seed = admission.prompt_seed(salt, lora_request)
-        prompt = Prompt(num_prompt, embeds is not None, token_ids, seed, params.max_tokens)
+        prompt = Prompt(num_prompt, embeds is not None, token_ids, max_tokens=params.max_tokens,
+                        cache_salt=salt, lora_name=getattr(lora_request, "lora_name", None))
         admitted = gate.admit(requested, prompt)
         if admitted is None:  # the policy's budget does not apply here: a stock request
-            del extra[ADMITTED_KEY]
+            del extra[admission.REQUESTED_KEY]
             params.extra_args = extra or None
-        else:
-            extra[ADMITTED_KEY] = admitted
+        else:  # the stage object leaves its key; the admitted one takes its own
+            del extra[admission.REQUESTED_KEY]
+            extra[admission.CHECKED_KEY] = admitted
     elif hasattr(params, "extra_args") and admission.pool_is_short(vllm_config):
         token_ids = extract_prompt_components(vllm_config.model_config, inputs).token_ids
         if token_ids is not None:
