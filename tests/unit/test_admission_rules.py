@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support.engine_config import engine_config
 
 from obcache_vllm import admission
 from obcache_vllm.admission import CAPABILITIES, Admission, Admitted, Prompt, Requested
@@ -95,37 +96,7 @@ def _refusal_sites() -> set[int]:
 
 
 # -- an engine configuration, as admission reads it ---------------------------------------------
-def engine(**over):
-    """A CPU engine that serves every budget; ``over`` sets dotted attributes."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    cfg = SimpleNamespace(
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=16, num_gpu_blocks=None,
-                                     enable_prefix_caching=True, kv_sharing_fast_prefill=False),
-        attention_config=SimpleNamespace(backend=SimpleNamespace(name="FLASH_ATTN"),
-                                         backend_per_kind={}),
-        compilation_config=SimpleNamespace(cudagraph_mode=None),
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1,
-                                        decode_context_parallel_size=1,
-                                        prefill_context_parallel_size=1, enable_dbo=False),
-        model_config=SimpleNamespace(max_model_len=4096, is_hybrid=False,
-                                     is_attention_free=False, use_mla=False,
-                                     is_mm_prefix_lm=False, rswa_window=None,
-                                     get_sliding_window=lambda: None,
-                                     hf_text_config=SimpleNamespace()),
-        scheduler_config=SimpleNamespace(async_scheduling=False, scheduler_cls=None,
-                                         disable_hybrid_kv_cache_manager=False,
-                                         max_num_batched_tokens=256,
-                                         get_scheduler_cls=lambda: Scheduler),
-        kv_transfer_config=None, use_v2_model_runner=False, speculative_config=None,
-    )  # fmt: skip
-    for path, value in over.items():
-        *parents, leaf = path.split(".")
-        obj = cfg
-        for name in parents:
-            obj = getattr(obj, name)
-        setattr(obj, leaf, value)
-    return cfg
+engine = engine_config
 
 
 def interleaved(**over):

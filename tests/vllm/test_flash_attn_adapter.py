@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.engine_config import engine_config
 
 from obcache_vllm import admission
 from obcache_vllm.admission import parse_kv_options
@@ -160,36 +161,13 @@ def test_builder_refuses_kernel_blocks_smaller_than_the_managers(vllm_config):
 
 
 def _config(**over):
+    """A CUDA engine configuration FLASH_ATTN serves (piecewise graphs), with ``over``."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.core.sched.scheduler import Scheduler
 
-    # What admission reads of an engine configuration (a generic one: only the overrides
-    # are refused).
-    cfg = SimpleNamespace(
-        attention_config=SimpleNamespace(backend=AttentionBackendEnum.FLASH_ATTN,
-                                         backend_per_kind={}),
-        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE),
-        cache_config=SimpleNamespace(block_size=16, kv_sharing_fast_prefill=False,
-                                     cache_dtype="auto"),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1,
-                                        prefill_context_parallel_size=1, enable_dbo=False,
-                                        pipeline_parallel_size=1),
-        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(), is_mm_prefix_lm=False,
-                                     rswa_window=None, is_hybrid=False, is_attention_free=False,
-                                     get_sliding_window=lambda: None, use_mla=False),
-        scheduler_config=SimpleNamespace(async_scheduling=False, scheduler_cls=None,
-                                         get_scheduler_cls=lambda: Scheduler),
-        kv_transfer_config=None,
-        use_v2_model_runner=False,
-    )  # fmt: skip
-    for path, value in over.items():
-        obj = cfg
-        *parents, leaf = path.split(".")
-        for p in parents:
-            obj = getattr(obj, p)
-        setattr(obj, leaf, value)
-    return cfg
+    return engine_config(**{"attention_config.backend": AttentionBackendEnum.FLASH_ATTN,
+                            "compilation_config.cudagraph_mode": CUDAGraphMode.PIECEWISE,
+                            **over})  # fmt: skip
 
 
 def _mode(name):
