@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
-	lm-eval error-target adakv local-error head-layout
+	lm-eval choose-defaults error-target adakv local-error head-layout
 
 setup:
 	@bash scripts/setup.sh
@@ -95,6 +95,13 @@ fidelity-topk: setup
 LM_EVAL_ARGS ?= --limit 50 --budgets 0.2 --max-gen-toks 64
 lm-eval: setup
 	$(PY) scripts/lm_eval_grid.py $(LM_EVAL_ARGS) --out results/lm-eval
+
+## The server's shipped selection defaults, by the rule of configs/choose_defaults.yaml (stated
+## before its run): lm-eval RULER through the server for every candidate and the full cache,
+## the rule applied, results/choose-defaults/DECISION.md; WRITE=1 writes the winner into
+## obcache_vllm/default.yaml
+choose-defaults: setup
+	$(PY) scripts/choose_defaults.py $(if $(WRITE),--write,)
 
 ## Budgets by error target, measured: calibration of the estimate against the fidelity to the
 ## full cache, and each target against fixed budgets at the same memory and the same fidelity;

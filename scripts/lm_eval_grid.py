@@ -91,6 +91,15 @@ def arms(pipelines, scorers, budgets, settings, tail: int, full: bool = True) ->
     return out
 
 
+def named_arms(path: Path, full: bool = True) -> list[Arm]:
+    """The full cache (unless ``full`` is false), then the arms of a JSON file: an object of
+    arm name -> the kv_* fields its requests carry (every field the arm depends on: the
+    server's defaults fill in the rest)."""
+    named = json.loads(path.read_text())
+    out = [Arm("full", {"kv_budget": None})] if full else []
+    return out + [Arm(name, dict(fields)) for name, fields in named.items()]
+
+
 def nltk_stub(root: Path) -> Path:
     """An NLTK_DATA directory in which ``nltk.data.find("tokenizers/punkt_tab")`` succeeds."""
     (root / "tokenizers" / "punkt_tab" / "english").mkdir(parents=True, exist_ok=True)
@@ -257,8 +266,11 @@ def scrape(url: str) -> Snapshot:
 
 
 def run_grid(args, url: str, model: str, tokenizer: str) -> dict:
-    grid = arms(args.pipelines, args.scorers, args.budgets, args.settings, args.agnostic_tail,
-                full=args.full)  # fmt: skip
+    if args.arms:
+        grid = named_arms(args.arms, full=args.full)
+    else:
+        grid = arms(args.pipelines, args.scorers, args.budgets, args.settings,
+                    args.agnostic_tail, full=args.full)  # fmt: skip
     if args.max_gen_toks:
         grid = [Arm(a.name, {**a.fields, "max_gen_toks": args.max_gen_toks}) for a in grid]
     stub = nltk_stub(Path(tempfile.mkdtemp(prefix="nltk-stub-")))
@@ -309,6 +321,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--agnostic-tail", type=int, default=96,
                    help="query-agnostic arms compress this many tokens before the prompt's end "
                    "(kv_compress_at: -TAIL; RULER's questions and answer prefixes fit)")
+    p.add_argument("--arms", type=Path, default=None,
+                   help="a JSON file of named arms (name -> kv_* fields), instead of the "
+                   "pipelines x scorers x budgets x settings product")
     p.add_argument("--no-full", dest="full", action="store_false", help="skip the full cache")
     p.add_argument("--max-gen-toks", type=int, default=None,
                    help="cap every task's generation (RULER asks 128 tokens for most tasks; "

@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""Choose the server's shipped selection defaults by a rule stated before the run.
+
+    make choose-defaults               # run the evidence, apply the rule, report
+    make choose-defaults WRITE=1       # ... and write the winner into obcache_vllm/default.yaml
+    python scripts/choose_defaults.py --report-only results/choose-defaults/lm_eval.json
+
+The rule, its candidates and its evidence are ``configs/choose_defaults.yaml`` (read it: the
+rule is written there in words, and :func:`choose` is that rule). The evidence is
+``scripts/lm_eval_grid.py`` run with the candidates as named arms (lm-evaluation-harness RULER
+tasks through ``obcache-vllm serve``, the full cache included, the same documents for every
+arm). Writes ``OUT/lm_eval.json`` and ``OUT/lm_eval.md`` (lm_eval_grid's), ``OUT/decision.json``
+and ``OUT/DECISION.md``; with ``--write``, the winner's fields replace the block between the
+markers in ``obcache_vllm/default.yaml`` (``tests/unit/test_choose_defaults.py`` checks that
+the shipped file holds the recorded winner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RULE = ROOT / "configs" / "choose_defaults.yaml"
+SHIPPED = ROOT / "obcache_vllm" / "default.yaml"
+BEGIN = "# -- chosen by scripts/choose_defaults.py (configs/choose_defaults.yaml): do not edit"
+END = "# -- end of the chosen block"
+SELECTION = ("kv_scorer", "kv_pipeline", "kv_window", "kv_per_head")
+
+
+def load_rule(path: Path = RULE) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def cell_scores(results: dict) -> dict[str, dict[tuple[str, int], dict[int, float]]]:
+    """``{arm: {(task, length): {doc_id: score}}}`` from lm_eval_grid's ``lm_eval.json``."""
+    return {arm: {(task, int(length)): {int(d): float(v) for d, v in docs.items()}
+                  for task, per in run["scores"].items() for length, docs in per.items()}
+            for arm, run in results["runs"].items()}  # fmt: skip
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def paired(arm: dict, best: dict, cells, resamples: int = 2000, seed: int = 0):
+    """Mean over cells of (arm - best) on the documents both scored, with a 95 % bootstrap
+    that resamples documents within each cell (each cell weighs the same)."""
+    diffs = {c: [arm[c][d] - best[c][d] for d in sorted(set(arm[c]) & set(best[c]))]
+             for c in cells}  # fmt: skip
+    diffs = {c: v for c, v in diffs.items() if v}
+    if not diffs:
+        return None
+    rng = random.Random(seed)
+    point = _mean(_mean(v) for v in diffs.values())
+    means = sorted(_mean(_mean(rng.choices(v, k=len(v))) for v in diffs.values())
+                   for _ in range(resamples))  # fmt: skip
+    return point, means[int(0.025 * resamples)], means[min(resamples - 1, int(0.975 * resamples))]
+
+
+def choose(scores: dict, rule: dict) -> dict:
+    """The rule of ``configs/choose_defaults.yaml`` applied to per-document scores (see there):
+    the counted cells, every candidate's score and paired difference to the best, the tied
+    set, the winner (None: insufficient evidence, the current setting stays)."""
+    full = scores["full"]
+    cells = sorted(c for c in full if _mean(full[c].values()) >= rule["min_full"])
+    candidates = [name for name in rule["candidates"] if name in scores]
+    score = {name: _mean(_mean(scores[name][c].values()) for c in cells if c in scores[name])
+             for name in candidates}  # fmt: skip
+    eligible = [n for n in candidates if n != rule["floor"]]
+    best = max(eligible, key=lambda n: (score[n], -eligible.index(n))) if cells else None
+    rows, tied = [], []
+    for name in candidates:
+        diff = None if best is None else paired(scores[name], scores[best], cells)
+        is_tied = name == best or (diff is not None and diff[2] >= 0)
+        if is_tied and name in eligible:
+            tied.append(name)
+        rows.append({"candidate": name, "score": score[name], "diff_to_best": diff,
+                     "tied_with_best": is_tied, "fields": rule["candidates"][name],
+                     "role": ("floor" if name == rule["floor"] else "rival" if name == rule["rival"]
+                              else "current" if name == rule["current"] else "")})  # fmt: skip
+    floor_tied = best is not None and next(r for r in rows
+                                           if r["candidate"] == rule["floor"])["tied_with_best"]
+    if best is None or floor_tied:
+        winner, why = None, ("no cell where the full cache scores at least min_full" if best is None
+                             else "the floor (random) is tied with the best: the tasks do not "
+                             "tell a real score from none")  # fmt: skip
+    elif rule["current"] in tied:
+        winner, why = rule["current"], "the current setting is tied with the best"
+    else:
+        winner, why = best, "the best, and the current setting is not tied with it"
+    return {"cells": [list(c) for c in cells], "best": best, "tied": tied, "winner": winner,
+            "why": why, "rows": rows}  # fmt: skip
+
+
+def render(decision: dict, rule: dict, results: dict) -> str:
+    scores = cell_scores(results)
+    cells = [tuple(c) for c in decision["cells"]]
+    head = " | ".join(f"{t} @ {n}" for t, n in cells)
+    lines = [
+        "# The shipped defaults, by rule",
+        "",
+        f"Rule and candidates: `configs/choose_defaults.yaml`; evidence: `{results['command']}` "
+        f"({results['model']}, {results['date']}, {results['machine']}, "
+        f"{results['seconds'] / 60:.0f} min); {rule['budget']:g} of each prompt kept, the "
+        "question in the prompt. Reproduce: `make choose-defaults`.",
+        "",
+        f"Counted cells (the full cache at least {rule['min_full']}): "
+        + (", ".join(f"{t} at {n} tokens" for t, n in cells) or "none") + ".",
+        "",
+        f"| candidate | role | {head} | score | Δ best [95 %] | tied |",
+        "|---|---|" + "---|" * len(cells) + "---|---|---|",
+    ]
+    full = scores["full"]
+    lines.append("| full cache | | " + " | ".join(f"{_mean(full[c].values()):.2f}" for c in cells)
+                 + " | | | |")
+    for row in decision["rows"]:
+        name = row["candidate"]
+        accs = " | ".join(f"{_mean(scores[name][c].values()):.2f}" if c in scores[name] else ""
+                          for c in cells)  # fmt: skip
+        diff = row["diff_to_best"]
+        diff_text = "" if diff is None else f"{diff[0]:+.2f} [{diff[1]:+.2f}, {diff[2]:+.2f}]"
+        lines.append(f"| {name} | {row['role']} | {accs} | {row['score']:.3f} | {diff_text} | "
+                     f"{'yes' if row['tied_with_best'] else 'no'} |")
+    winner = decision["winner"]
+    lines += ["", f"Best: `{decision['best']}`. Tied with it: "
+              + ", ".join(f"`{n}`" for n in decision["tied"]) + ".", "",
+              f"**Winner: `{winner}`** ({decision['why']})." if winner else
+              f"**No winner** ({decision['why']}): the current setting stays.", ""]  # fmt: skip
+    if winner:
+        lines.append("Shipped as: " + ", ".join(
+            f"`{k}: {json.dumps(v)}`" for k, v in rule["candidates"][winner].items()) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def shipped_block(fields: dict, winner: str) -> str:
+    """The block of ``default.yaml`` the winner's fields make (between the markers)."""
+    lines = [BEGIN, f"# winner: {winner} (results/choose-defaults/DECISION.md)"]
+    lines += [f"{key}: {json.dumps(fields[key])}" for key in SELECTION if key in fields]
+    return "\n".join(lines + [END])
+
+
+def write_shipped(fields: dict, winner: str, path: Path = SHIPPED) -> None:
+    text = path.read_text()
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{path}: no block between the markers {BEGIN!r} and {END!r}")
+    path.write_text(pattern.sub(lambda _: shipped_block(fields, winner), text))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rule", type=Path, default=RULE)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "choose-defaults")
+    p.add_argument("--limit", type=int, default=None, help="documents per cell (default: rule)")
+    p.add_argument("--report-only", type=Path, default=None,
+                   help="apply the rule to an lm_eval.json, running nothing")
+    p.add_argument("--write", action="store_true", help="write the winner into default.yaml")
+    p.add_argument("--serve-args", default="")
+    args = p.parse_args(argv)
+    rule = load_rule(args.rule)
+    out = args.out
+    if args.report_only is None:
+        out.mkdir(parents=True, exist_ok=True)
+        arms = {name: {"kv_budget": rule["budget"], **fields}
+                for name, fields in rule["candidates"].items()}  # fmt: skip
+        (out / "arms.json").write_text(json.dumps(arms, indent=1) + "\n")
+        cmd = [sys.executable, str(ROOT / "scripts" / "lm_eval_grid.py"),
+               "--arms", str(out / "arms.json"), "--tasks", ",".join(rule["tasks"]),
+               "--lengths", ",".join(map(str, rule["lengths"])),
+               "--limit", str(args.limit or rule["limit"]),
+               "--max-gen-toks", str(rule["max_gen_toks"]), "--out", str(out)]  # fmt: skip
+        if args.serve_args:
+            cmd += ["--serve-args", args.serve_args]
+        subprocess.run(cmd, check=True)
+        source = out / "lm_eval.json"
+    else:
+        source = args.report_only
+        out = source.parent
+    results = json.loads(source.read_text())
+    decision = choose(cell_scores(results), rule)
+    decision["rule"] = str(args.rule.relative_to(ROOT)) if args.rule.is_relative_to(ROOT) \
+        else str(args.rule)  # fmt: skip
+    (out / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")
+    (out / "DECISION.md").write_text(render(decision, rule, results))
+    print((out / "DECISION.md").read_text())
+    if args.write and decision["winner"]:
+        write_shipped(rule["candidates"][decision["winner"]], decision["winner"])
+        print(f"wrote {decision['winner']} into {SHIPPED.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
