@@ -278,16 +278,22 @@ def run_grid(args, url: str, model: str, tokenizer: str) -> dict:
            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
     runs: dict[str, dict] = {}
     for arm in grid:
-        out = args.out / "raw" / arm.name.replace("/", "_")
-        cmd = lm_eval_command(args.lm_eval, url, model, tokenizer, arm, args.tasks, args.lengths,
-                              args.limit, args.concurrent, out)  # fmt: skip
-        print(f"[lm-eval] {arm.name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         before = scrape(url)
         started = time.monotonic()
-        subprocess.run(cmd, env=env, check=True, stdout=sys.stderr)
+        commands, scores = [], {}
+        # One lm_eval run per length: its --limit counts a task's documents over every length
+        # it builds, shortest first, so one run with several lengths scores the first only.
+        for length in args.lengths:
+            out = args.out / "raw" / arm.name.replace("/", "_") / str(length)
+            cmd = lm_eval_command(args.lm_eval, url, model, tokenizer, arm, args.tasks,
+                                  [length], args.limit, args.concurrent, out)  # fmt: skip
+            print(f"[lm-eval] {arm.name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, env=env, check=True, stdout=sys.stderr)
+            commands.append(cmd)
+            for task, per in read_samples(out, [length]).items():
+                scores.setdefault(task, {}).update(per)
         after = scrape(url)
-        scores = read_samples(out, args.lengths)
-        runs[arm.name] = {"fields": arm.fields, "command": cmd, "scores": scores,
+        runs[arm.name] = {"fields": arm.fields, "command": commands, "scores": scores,
                           "seconds": time.monotonic() - started,
                           "kept_ratio": None if arm.is_full else kept_ratio(before, after)}
     return {"arms": [a.name for a in grid], "runs": runs}
