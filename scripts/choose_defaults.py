@@ -105,9 +105,7 @@ def render(decision: dict, rule: dict, results: dict) -> str:
     scores = cell_scores(results)
     cells = [tuple(c) for c in decision["cells"]]
     head = " | ".join(f"{t} @ {n}" for t, n in cells)
-    lines = [
-        "# The shipped defaults, by rule",
-        "",
+    lines = [  # no heading: the Choosing page includes this file under its own
         f"Rule and candidates: `configs/choose_defaults.yaml`; evidence: `{results['command']}` "
         f"({results['model']}, {results['date']}, {results['machine']}, "
         f"{results['seconds'] / 60:.0f} min); {rule['budget']:g} of each prompt kept, the "
@@ -156,6 +154,13 @@ def write_shipped(fields: dict, winner: str, path: Path = SHIPPED) -> None:
     path.write_text(pattern.sub(lambda _: shipped_block(fields, winner), text))
 
 
+def _shown(path: Path) -> str:
+    """A path as the reports show it: relative to the checkout where it lies in it (the
+    command is run from the checkout's root, as make runs it)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rule", type=Path, default=RULE)
@@ -174,13 +179,13 @@ def main(argv=None) -> int:
                 for name, fields in rule["candidates"].items()}  # fmt: skip
         (out / "arms.json").write_text(json.dumps(arms, indent=1) + "\n")
         cmd = [sys.executable, str(ROOT / "scripts" / "lm_eval_grid.py"),
-               "--arms", str(out / "arms.json"), "--tasks", ",".join(rule["tasks"]),
+               "--arms", _shown(out / "arms.json"), "--tasks", ",".join(rule["tasks"]),
                "--lengths", ",".join(map(str, rule["lengths"])),
                "--limit", str(args.limit or rule["limit"]),
-               "--max-gen-toks", str(rule["max_gen_toks"]), "--out", str(out)]  # fmt: skip
+               "--max-gen-toks", str(rule["max_gen_toks"]), "--out", _shown(out)]  # fmt: skip
         if args.serve_args:
             cmd += ["--serve-args", args.serve_args]
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
         source = out / "lm_eval.json"
     else:
         source = args.report_only

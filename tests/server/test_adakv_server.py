@@ -21,7 +21,7 @@ def _body(**fields) -> dict:
 
 
 def test_adakv_is_served_with_its_outcome_in_usage(server: Server) -> None:
-    """On the shipped policy (tova's defaults: one ranking per layer, a one-query window)."""
+    """On the shipped policy (its window and ranking apply to adakv's snapkv scores)."""
     code, reply = server.post_json("/v1/chat/completions",
                                    _body(kv_budget=64, kv_pipeline="adakv"))  # fmt: skip
     assert code == 200, reply

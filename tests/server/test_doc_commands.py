@@ -265,8 +265,8 @@ def test_console_blocks_and_example_scripts(tmp_path: Path) -> None:
 # Documented values changed in copies of real pages: each must fail as stale (the real pages'
 # blocks run above). (page, text of the sample, replacement, what the failure names)
 MUTATIONS = [
-    ("README.md", '"pipeline": "tova"', '"pipeline": "snapkv"', "usage.obcache.pipeline"),
-    ("docs/user_guide/server.md", '"kv_window":1,', '"kv_window":64,', "defaults.kv_window"),
+    ("README.md", '"pipeline": "snapkv"', '"pipeline": "tova"', "usage.obcache.pipeline"),
+    ("docs/user_guide/server.md", '"kv_window":32,', '"kv_window":64,', "defaults.kv_window"),
     ("docs/user_guide/refusals.md", "# HTTP 400:", "# HTTP 422:", "HTTP 422"),
 ]
 

@@ -1,8 +1,8 @@
 """The offline ``LLM`` and the server on the same request: the one deliberate difference is
 their defaults for the kv_* fields a request leaves out.
 
-The server fills them from its policy (the shipped ``obcache_vllm/default.yaml``, tuned for the
-default model: ``tova``, one ranking per layer, a one-query window); the offline engine, which
+The server fills them from its policy (the shipped ``obcache_vllm/default.yaml``, whose selection
+for the default model a stated rule chooses: ``snapkv``, window 32); the offline engine, which
 reads no server policy, from the options' own defaults (the paper's: ``snapkv``, a 64-query
 window, per head). With every field spelled out the two are the same engine and give the same
 tokens; with only ``kv_budget`` each reports the defaults it applied. (docs: "Every option".)

@@ -89,7 +89,7 @@ def test_config_endpoint_lists_scorers_pipelines_and_defaults(server: Server) ->
     assert doc["pipelines"] == list(PIPELINE_NAMES)
     # The test server runs with configs/default.yaml (its content: tests/unit/test_server_config).
     assert doc["defaults"] == load_defaults({})
-    assert doc["defaults"]["kv_pipeline"] == "tova" and doc["defaults"]["kv_per_head"] is False
+    assert doc["defaults"]["kv_pipeline"] == "snapkv" and doc["defaults"]["kv_per_head"] is True
     assert doc["usage_field"] == "usage.obcache"
 
 

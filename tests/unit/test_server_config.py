@@ -22,9 +22,10 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 # obcache_vllm/default.yaml (configs/default.yaml links to it): the built-in (paper) defaults,
-# tuned for the default model where the accuracy evidence says so (tova, one ranking per layer,
-# snapkv window 1; README).
-SHIPPED = {**config.BUILTIN_DEFAULTS, "kv_pipeline": "tova", "kv_window": 1, "kv_per_head": False}
+# with the selection the rule of configs/choose_defaults.yaml chose for the default model
+# (results/choose-defaults/DECISION.md; tests/unit/test_choose_defaults.py checks the file).
+SHIPPED = {**config.BUILTIN_DEFAULTS, "kv_pipeline": "snapkv", "kv_window": 32, "kv_per_head": True,
+           "kv_scorer": "obcache_key"}
 
 
 def test_shipped_config_file_is_the_builtin_defaults_tuned_for_the_default_model() -> None:

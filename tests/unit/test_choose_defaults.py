@@ -1,0 +1,84 @@
+"""The rule the shipped defaults are chosen by (scripts/choose_defaults.py), on made-up scores,
+and the shipped file against the recorded decision."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("choose_defaults",
+                                               ROOT / "scripts" / "choose_defaults.py")
+choose_defaults = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(choose_defaults)
+
+RULE = {"min_full": 0.2, "current": "cur", "floor": "rand", "rival": "rival",
+        "candidates": {"cur": {"kv_pipeline": "tova"}, "good": {"kv_pipeline": "snapkv"},
+                       "rival": {"kv_scorer": "dropkv"}, "rand": {"kv_scorer": "random"}}}
+CELLS = (("niah", 1024), ("niah", 2048), ("hard", 1024))
+
+
+def scores(**accuracy):
+    """Per-document 0/1 scores, 40 documents a cell: the first round(acc * 40) are 1."""
+    out = {}
+    for arm, per_cell in accuracy.items():
+        out[arm] = {c: {d: float(d < round(a * 40)) for d in range(40)}
+                    for c, a in zip(CELLS, per_cell, strict=True)}  # fmt: skip
+    return out
+
+
+def test_a_clear_winner_replaces_the_current_setting():
+    got = choose_defaults.choose(scores(full=(1, 1, 0.05), cur=(0.9, 0.5, 0), good=(0.95, 0.9, 0),
+                                        rival=(0.9, 0.8, 0), rand=(0, 0, 0)), RULE)
+    assert got["cells"] == [["niah", 1024], ["niah", 2048]]  # full below min_full: not counted
+    assert (got["best"], got["winner"]) == ("good", "good")
+    assert "cur" not in got["tied"]
+
+
+def test_the_current_setting_stays_where_it_is_tied_with_the_best():
+    got = choose_defaults.choose(scores(full=(1, 1, 1), cur=(0.9, 0.85, 0.5), good=(0.9, 0.9, 0.5),
+                                        rival=(0.2, 0.2, 0.2), rand=(0, 0, 0)), RULE)
+    assert got["best"] == "good" and "cur" in got["tied"] and got["winner"] == "cur"
+
+
+def test_no_winner_where_the_floor_is_as_good_as_the_best():
+    got = choose_defaults.choose(scores(full=(1, 1, 1), cur=(0.5, 0.5, 0.5), good=(0.55, 0.5, 0.5),
+                                        rival=(0.5, 0.5, 0.5), rand=(0.5, 0.5, 0.5)), RULE)
+    assert got["winner"] is None and "floor" in got["why"]
+
+
+def test_the_rival_can_win():
+    got = choose_defaults.choose(scores(full=(1, 1, 1), cur=(0.2, 0.2, 0.2), good=(0.5, 0.5, 0.5),
+                                        rival=(1, 1, 1), rand=(0, 0, 0)), RULE)
+    assert got["winner"] == "rival"
+
+
+def test_the_winner_is_written_between_the_markers(tmp_path):
+    path = tmp_path / "default.yaml"
+    path.write_text(f"kv_budget: null\n{choose_defaults.BEGIN}\nkv_scorer: \"x\"\n"
+                    f"{choose_defaults.END}\nkv_sinks: 4\n")  # fmt: skip
+    choose_defaults.write_shipped({"kv_pipeline": "snapkv", "kv_window": 32, "kv_per_head": True,
+                                   "kv_scorer": "attn"}, "good", path)  # fmt: skip
+    assert yaml.safe_load(path.read_text()) == {
+        "kv_budget": None, "kv_scorer": "attn", "kv_pipeline": "snapkv", "kv_window": 32,
+        "kv_per_head": True, "kv_sinks": 4}  # fmt: skip
+
+
+def test_the_shipped_defaults_are_the_recorded_winner():
+    """obcache_vllm/default.yaml holds the winner of the last run of the rule (or, where that
+    run found none, the rule's current setting), field for field."""
+    decision_path = ROOT / "results" / "choose-defaults" / "decision.json"
+    if not decision_path.exists():
+        pytest.fail("no results/choose-defaults/decision.json: run `make choose-defaults`")
+    decision = json.loads(decision_path.read_text())
+    rule = choose_defaults.load_rule()
+    name = decision["winner"] or rule["current"]
+    shipped = yaml.safe_load((ROOT / "obcache_vllm" / "default.yaml").read_text())
+    for key, value in rule["candidates"][name].items():
+        assert shipped[key] == value, (key, name)
+    text = (ROOT / "obcache_vllm" / "default.yaml").read_text()
+    assert f"# winner: {name} " in text
