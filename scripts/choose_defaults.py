@@ -2,6 +2,7 @@
 """Choose the server's shipped selection defaults by a rule stated before the run.
 
     make choose-defaults               # run the evidence, apply the rule, report
+    python scripts/choose_defaults.py --only query_agnostic   # one traffic kind's evidence
     make choose-defaults WRITE=1       # ... and write the winner into obcache_vllm/default.yaml
     python scripts/choose_defaults.py --report-only results/choose-defaults/lm_eval.json
 
@@ -10,7 +11,9 @@ rule is written there in words, and :func:`choose` is that rule). The evidence i
 ``scripts/lm_eval_grid.py`` run with the candidates as named arms (lm-evaluation-harness RULER
 tasks through ``obcache-vllm serve``, the full cache included, the same documents for every
 arm). Writes ``OUT/lm_eval.json`` and ``OUT/lm_eval.md`` (lm_eval_grid's), ``OUT/decision.json``
-and ``OUT/DECISION.md``; with ``--write``, the winner's fields replace the block between the
+and ``OUT/DECISION.md``; each traffic kind of the rule (``traffic:``) gets its own evidence in
+``OUT/KIND/`` and its own winner, a section of the report (the query-aware winner is the one
+shipped); with ``--write``, the winner's fields replace the block between the
 markers in ``obcache_vllm/default.yaml`` (``tests/unit/test_choose_defaults.py`` checks that
 the shipped file holds the recorded winner).
 """
@@ -161,42 +164,83 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def _run_evidence(rule: dict, out: Path, lengths, extra: dict, limit, serve_args: str) -> Path:
+    """lm_eval_grid with every candidate as a named arm (``extra``: a traffic kind's fields)."""
+    out.mkdir(parents=True, exist_ok=True)
+    arms = {name: {"kv_budget": rule["budget"], **fields, **extra}
+            for name, fields in rule["candidates"].items()}  # fmt: skip
+    (out / "arms.json").write_text(json.dumps(arms, indent=1) + "\n")
+    cmd = [sys.executable, str(ROOT / "scripts" / "lm_eval_grid.py"),
+           "--arms", _shown(out / "arms.json"), "--tasks", ",".join(rule["tasks"]),
+           "--lengths", ",".join(map(str, lengths)), "--limit", str(limit or rule["limit"]),
+           "--max-gen-toks", str(rule["max_gen_toks"]), "--out", _shown(out)]  # fmt: skip
+    if serve_args:
+        cmd += ["--serve-args", serve_args]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return out / "lm_eval.json"
+
+
+def traffic_rule(rule: dict, kind: str, shipped: str | None) -> dict:
+    """The rule for one traffic kind: the same, with the shipped winner as its current."""
+    return {**rule, "current": shipped or rule["current"],
+            "lengths": rule["traffic"][kind]["lengths"]}
+
+
+def render_traffic(kind: str, decision: dict, rule: dict, results: dict) -> str:
+    fields = ", ".join(f"`{k}: {json.dumps(v)}`"
+                       for k, v in rule["traffic"][kind]["fields"].items())  # fmt: skip
+    text = render(decision, rule, results).replace(
+        "the question in the prompt. Reproduce: `make choose-defaults`.",
+        f"the prompt compressed before its question: every candidate also sends {fields}. "
+        "Reproduce: `make choose-defaults`.")
+    text = text.replace("Shipped as: ", f"Recommended for {kind.replace('_', '-')} traffic: ")
+    return f"### {kind.replace('_', '-').capitalize()} traffic\n\n" + text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rule", type=Path, default=RULE)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "choose-defaults")
     p.add_argument("--limit", type=int, default=None, help="documents per cell (default: rule)")
+    p.add_argument("--only", default=None,
+                   help="run only these evidences (comma-separated: query_aware and the rule's "
+                   "traffic kinds), the others read from OUT")
     p.add_argument("--report-only", type=Path, default=None,
-                   help="apply the rule to an lm_eval.json, running nothing")
+                   help="apply the rule to an lm_eval.json (its traffic kinds beside it in "
+                   "KIND/lm_eval.json), running nothing")
     p.add_argument("--write", action="store_true", help="write the winner into default.yaml")
     p.add_argument("--serve-args", default="")
     args = p.parse_args(argv)
     rule = load_rule(args.rule)
-    out = args.out
-    if args.report_only is None:
-        out.mkdir(parents=True, exist_ok=True)
-        arms = {name: {"kv_budget": rule["budget"], **fields}
-                for name, fields in rule["candidates"].items()}  # fmt: skip
-        (out / "arms.json").write_text(json.dumps(arms, indent=1) + "\n")
-        cmd = [sys.executable, str(ROOT / "scripts" / "lm_eval_grid.py"),
-               "--arms", _shown(out / "arms.json"), "--tasks", ",".join(rule["tasks"]),
-               "--lengths", ",".join(map(str, rule["lengths"])),
-               "--limit", str(args.limit or rule["limit"]),
-               "--max-gen-toks", str(rule["max_gen_toks"]), "--out", _shown(out)]  # fmt: skip
-        if args.serve_args:
-            cmd += ["--serve-args", args.serve_args]
-        subprocess.run(cmd, check=True, cwd=ROOT)
-        source = out / "lm_eval.json"
-    else:
-        source = args.report_only
-        out = source.parent
+    kinds = list(rule.get("traffic") or {})
+    only = set(args.only.split(",")) if args.only else {"query_aware", *kinds}
+    unknown = only - {"query_aware", *kinds}
+    if unknown:
+        raise SystemExit(f"--only: unknown {sorted(unknown)}; known: query_aware, {kinds}")
+    out = args.out if args.report_only is None else args.report_only.parent
+    source = args.report_only or out / "lm_eval.json"
+    if args.report_only is None and "query_aware" in only:
+        source = _run_evidence(rule, out, rule["lengths"], {}, args.limit, args.serve_args)
     results = json.loads(source.read_text())
     decision = choose(cell_scores(results), rule)
     decision["rule"] = str(args.rule.relative_to(ROOT)) if args.rule.is_relative_to(ROOT) \
         else str(args.rule)  # fmt: skip
+    report = render(decision, rule, results)
+    decision["traffic"] = {}
+    for kind in kinds:
+        kind_rule = traffic_rule(rule, kind, decision["winner"])
+        if args.report_only is None and kind in only:
+            _run_evidence(kind_rule, out / kind, kind_rule["lengths"],
+                          rule["traffic"][kind]["fields"], args.limit, args.serve_args)  # fmt: skip
+        path = out / kind / "lm_eval.json"
+        if not path.exists():
+            continue
+        kind_results = json.loads(path.read_text())
+        decision["traffic"][kind] = choose(cell_scores(kind_results), kind_rule)
+        report += "\n" + render_traffic(kind, decision["traffic"][kind], kind_rule, kind_results)
     (out / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")
-    (out / "DECISION.md").write_text(render(decision, rule, results))
-    print((out / "DECISION.md").read_text())
+    (out / "DECISION.md").write_text(report)
+    print(report)
     if args.write and decision["winner"]:
         write_shipped(rule["candidates"][decision["winner"]], decision["winner"])
         print(f"wrote {decision['winner']} into {SHIPPED.relative_to(ROOT)}")

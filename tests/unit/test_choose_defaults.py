@@ -82,3 +82,39 @@ def test_the_shipped_defaults_are_the_recorded_winner():
         assert shipped[key] == value, (key, name)
     text = (ROOT / "obcache_vllm" / "default.yaml").read_text()
     assert f"# winner: {name} " in text
+
+
+def _lm_eval_json(path: Path, **accuracy) -> None:
+    """An lm_eval_grid result file holding ``scores(**accuracy)``."""
+    runs = {arm: {"scores": {}} for arm in accuracy}
+    for arm, per_cell in scores(**accuracy).items():
+        for (task, length), docs in per_cell.items():
+            runs[arm]["scores"].setdefault(task, {})[str(length)] = {str(d): v
+                                                                     for d, v in docs.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"runs": runs, "command": "made up", "model": "m",
+                                "date": "d", "machine": "here", "seconds": 60}))  # fmt: skip
+
+
+def test_each_traffic_kind_gets_its_own_winner_and_the_query_aware_one_is_shipped(tmp_path):
+    """A traffic kind's evidence (OUT/KIND/lm_eval.json) is judged by the same rule with the
+    shipped winner as its current setting; its winner is reported, not written."""
+    rule = {**RULE, "budget": 0.1, "traffic": {"agnostic": {"fields": {"kv_compress_at": -96},
+                                                            "lengths": [1024]}}}  # fmt: skip
+    rule_path = tmp_path / "rule.yaml"
+    rule_path.write_text(yaml.safe_dump(rule))
+    _lm_eval_json(tmp_path / "lm_eval.json", full=(1, 1, 1), cur=(0.2, 0.2, 0.2),
+                  good=(0.9, 0.9, 0.9), rival=(0.5, 0.5, 0.5), rand=(0, 0, 0))
+    # Agnostic: "good" (shipped) is tied with the best, so it stays; "rival" is the best.
+    _lm_eval_json(tmp_path / "agnostic" / "lm_eval.json", full=(1, 1, 1), cur=(0.2, 0.2, 0.2),
+                  good=(0.6, 0.6, 0.6), rival=(0.62, 0.62, 0.62), rand=(0, 0, 0))
+    choose_defaults.main(["--rule", str(rule_path), "--report-only",
+                          str(tmp_path / "lm_eval.json")])  # fmt: skip
+    decision = json.loads((tmp_path / "decision.json").read_text())
+    assert decision["winner"] == "good"
+    agnostic = decision["traffic"]["agnostic"]
+    assert (agnostic["best"], agnostic["winner"]) == ("rival", "good")
+    assert "the current setting is tied" in agnostic["why"]
+    report = (tmp_path / "DECISION.md").read_text()
+    assert "### Agnostic traffic" in report and "`kv_compress_at: -96`" in report
+    assert "Recommended for agnostic traffic: `kv_pipeline: \"snapkv\"`" in report
