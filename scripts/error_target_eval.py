@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from obcache_vllm.evidence import fidelity as F  # noqa: E402
 from obcache_vllm.evidence.eval.command import csv_list as _csv  # noqa: E402
 from obcache_vllm.evidence.eval.command import parse_script_args  # noqa: E402
+from obcache_vllm.evidence.rank import spearman  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -122,29 +122,6 @@ def measure(args) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Analysis (pure: --report-only)
-
-
-def _ranks(values: list[float]) -> list[float]:
-    order = sorted(range(len(values)), key=values.__getitem__)
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2
-        i = j + 1
-    return ranks
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    rx, ry = _ranks(x), _ranks(y)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    sx = math.sqrt(sum((a - mx) ** 2 for a in rx))
-    sy = math.sqrt(sum((b - my) ** 2 for b in ry))
-    return cov / (sx * sy) if sx and sy else float("nan")
 
 
 def _interp(xs: list[float], ys: list[float], y: float) -> float | None:
