@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
-	lm-eval choose-defaults error-target adakv local-error head-layout
+	lm-eval choose-defaults error-target error-predictor kvpress-parity adakv local-error \
+	head-layout
 
 setup:
 	@bash scripts/setup.sh
@@ -109,6 +110,18 @@ choose-defaults: setup
 ERROR_TARGET_ARGS ?= --samples 8 --targets 0.001,0.003,0.01,0.03,0.1,0.3
 error-target: setup
 	$(PY) scripts/error_target_eval.py $(ERROR_TARGET_ARGS) --out results/error-target
+
+## Which error predicts the output: every layer's estimate against the KL measured at every
+## count a target can choose, KL-unit targets on held-out prompts; report in
+## results/error-predictor (see docs/user_guide/error_target.md)
+error-predictor: setup
+	$(PY) scripts/error_predictor_eval.py --out results/error-predictor
+
+## Our snapkv against kvpress's SnapKV on the same prompts (needs scripts/kvpress_venv.sh);
+## report in results/kvpress-parity (see docs/evidence/accuracy.md)
+kvpress-parity: setup
+	bash scripts/kvpress_venv.sh >/dev/null
+	$(PY) scripts/kvpress_parity.py --out results/kvpress-parity
 
 ## AdaKV against uniform per-head snapkv with each scorer, measured in the HF reference by
 ## per-head masking, and the blocks its per-head counts need under each block layout; report

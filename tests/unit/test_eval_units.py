@@ -303,3 +303,30 @@ def test_report_pairs_adakv_with_snapkv_at_the_same_scorer_and_budget(tmp_path):
     section = md.split("## Reallocations against their uniform host")[1]
     lines = [line for line in section.splitlines() if "| adakv |" in line]
     assert len(lines) == 1 and "| 0.75 | 0.25 | +0.50" in lines[0] and "| 2 / 0 |" in lines[0]
+
+
+def test_the_kvpress_venv_is_where_its_setup_script_puts_it(monkeypatch):
+    """``obcache-vllm eval kvpress`` looks for the venv where ``scripts/kvpress_venv.sh``
+    creates it by default (the checkout's parent's ``venvs/kvpress``)."""
+    from pathlib import Path
+
+    from obcache_vllm.evidence.eval import kvpress_bridge
+
+    monkeypatch.delenv("KVPRESS_PYTHON", raising=False)
+    root = Path(__file__).resolve().parents[2]
+    script = (root / "scripts" / "kvpress_venv.sh").read_text()
+    assert '"${1:-${KVPRESS_VENV:-$here/../venvs/kvpress}}"' in script
+    assert Path(kvpress_bridge.default_python()) == root.parent / "venvs/kvpress/bin/python"
+
+
+def test_kvpress_requests_name_their_rule_and_only_snapkv_has_ours():
+    from obcache_vllm.evidence.eval import kvpress_bridge
+    from obcache_vllm.evidence.eval.harness import Prompt
+
+    cell = _cell(pipeline="snapkv", scorer="attn", window=32, budget=0.1, engine="kvpress")
+    prompt = Prompt(sample=None, document_ids=tuple(range(260)), question_ids=tuple(range(40)))
+    assert kvpress_bridge.kvpress_request(cell, prompt, "0")["rule"] == "kvpress"
+    request = kvpress_bridge.kvpress_request(cell, prompt, "0", "obcache")
+    assert (request["rule"], request["window"], request["compress"]) == ("obcache", 32, 300)
+    with pytest.raises(SystemExit, match="no kvpress rule"):
+        kvpress_bridge.run_kvpress([cell], None, rule="ours", python=__file__)

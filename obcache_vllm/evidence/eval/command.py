@@ -100,6 +100,10 @@ def add_eval_parser(sub) -> None:
     kv.add_argument("--python", default=None,
                     help="the kvpress venv's python (default: $KVPRESS_PYTHON, else "
                     "../venvs/kvpress/bin/python; create it with scripts/kvpress_venv.sh)")
+    kv.add_argument("--rule", choices=("kvpress", "obcache"), default="kvpress",
+                    help="kvpress: the presses as published; obcache: kvpress's SnapKV press "
+                    "with this project's snapkv rule (pooling, sinks, recent), to tell the rule "
+                    "from the engine (its own --results-dir)")
     ses = esub.add_parser("sessions", help="quality over turns: full cache, a budget "
                           "recomputed each turn, a budget carried over turns (kv_session)")
     ses.add_argument("--conversations", type=int, default=30)
@@ -216,7 +220,8 @@ def eval_command(args: argparse.Namespace) -> int:
         from obcache_vllm.evidence.eval.kvpress_bridge import run_kvpress
 
         cells = _cells(args, "kvpress")
-        run_kvpress(cells, results, python=args.python, model=args.model, lock=args.lock)
+        run_kvpress(cells, results, python=args.python, model=args.model, lock=args.lock,
+                    rule=args.rule)
     if args.eval_command == "report" or args.report:
         from obcache_vllm.evidence.eval.report import write_report
 

@@ -21,17 +21,20 @@ from obcache_vllm.evidence.eval.grid import KVPRESS_PER_HEAD
 from obcache_vllm.evidence.eval.harness import BLOCK_SIZE, MAX_TOKENS, Harness, file_lock, summarize
 
 RUNNER = Path(__file__).with_name("kvpress_runner.py")
+RULES = ("kvpress", "obcache")
 
 
 def default_python() -> str:
     env = os.environ.get("KVPRESS_PYTHON")
     if env:
         return env
-    return str(Path(__file__).resolve().parents[3] / "venvs" / "kvpress" / "bin" / "python")
+    # The repository's parent, as scripts/kvpress_venv.sh defaults (../venvs/kvpress).
+    return str(Path(__file__).resolve().parents[4] / "venvs" / "kvpress" / "bin" / "python")
 
 
-def kvpress_request(cell: Cell, prompt, rid: str) -> dict:
-    """The runner's request for one sample of one cell."""
+def kvpress_request(cell: Cell, prompt, rid: str, rule: str = "kvpress") -> dict:
+    """The runner's request for one sample of one cell (``rule``: the press as published, or
+    ``obcache`` for snapkv with this project's rule, ``kvpress_runner.obcache_rule_snapkv``)."""
     n_doc, n_all = len(prompt.document_ids), len(prompt.ids)
     compress = n_doc if cell.setting == "query_agnostic" else n_all
     if cell.pipeline == FULL:
@@ -41,6 +44,7 @@ def kvpress_request(cell: Cell, prompt, rid: str) -> dict:
     return {
         "id": rid, "press": cell.pipeline, "prompt_ids": prompt.ids, "compress": compress,
         "kept": kept, "max_tokens": MAX_TOKENS[cell.task], "window": cell.window,
+        "rule": rule,
     }  # fmt: skip
 
 
@@ -50,8 +54,12 @@ def run_kvpress(
     python: str | None = None,
     model: str | None = None,
     lock: str | None = None,
+    rule: str = "kvpress",
 ) -> list[dict]:
-    """Compute the kvpress cells missing from ``results``, one runner process per cell."""
+    """Compute the kvpress cells missing from ``results``, one runner process per cell
+    (``rule``: see :func:`kvpress_request`; keep each rule's results in its own file)."""
+    if rule not in RULES:
+        raise SystemExit(f"no kvpress rule {rule!r}; known: {', '.join(RULES)}")
     python = python or default_python()
     if not Path(python).exists():
         raise SystemExit(f"no kvpress venv at {python}: run scripts/kvpress_venv.sh first")
@@ -67,7 +75,9 @@ def run_kvpress(
             raise SystemExit(f"kvpress's {cell.pipeline} press does not select with "
                              f"per_head={cell.per_head}")  # fmt: skip
         prompts = harness.prompts(cell)
-        requests = [kvpress_request(cell, p, str(i)) for i, p in enumerate(prompts)]
+        if rule != "kvpress" and cell.pipeline not in (FULL, "snapkv"):
+            raise SystemExit(f"the {rule!r} rule is snapkv's; {cell.pipeline} has none")
+        requests = [kvpress_request(cell, p, str(i), rule) for i, p in enumerate(prompts)]
         with tempfile.TemporaryDirectory() as tmp:
             spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.jsonl"
             spec.write_text(json.dumps({"model": harness._model_path(), "requests": requests}))
