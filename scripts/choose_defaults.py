@@ -182,8 +182,10 @@ def _run_evidence(rule: dict, out: Path, lengths, extra: dict, limit, serve_args
 
 def traffic_rule(rule: dict, kind: str, shipped: str | None) -> dict:
     """The rule for one traffic kind: the same, with the shipped winner as its current."""
-    return {**rule, "current": shipped or rule["current"],
-            "lengths": rule["traffic"][kind]["lengths"]}
+    kind_rule = {**rule, "current": shipped or rule["current"]}
+    kind_rule.update({k: rule["traffic"][kind][k] for k in ("lengths", "limit")
+                      if k in rule["traffic"][kind]})  # fmt: skip
+    return kind_rule
 
 
 def render_traffic(kind: str, decision: dict, rule: dict, results: dict) -> str:
