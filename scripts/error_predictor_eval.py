@@ -407,6 +407,13 @@ def _cross_fitted_map(train: list[dict]) -> dict:
     return kl_map(out_of_fold, lambda e: e[0])
 
 
+def _by_target_head(an: dict) -> list[str]:
+    """The head of a table with a row per KL target and a column per predictor, then fixed."""
+    names = " | ".join(f"`{n}`" for n in an["predictors"])
+    return [f"| KL target (nats) | {names} | fixed |",
+            "|---|" + "---|" * (len(an["predictors"]) + 1)]
+
+
 def render(res: dict, an: dict) -> str:
     kinds = sorted({s["kind"] for s in res["samples"]})
     lines = [
@@ -445,8 +452,7 @@ def render(res: dict, an: dict) -> str:
         " Cells: share of held-out prompts whose measured KL is within the target / mean kept "
         "fraction.",
         "",
-        "| KL target (nats) | " + " | ".join(f"`{n}`" for n in an["predictors"]) + " | fixed |",
-        "|---|" + "---|" * (len(an["predictors"]) + 1),
+        *_by_target_head(an),
     ]
     for i, tau in enumerate(res["kl_targets"]):
         cells = [f"{p['targets'][i]['within']:.2f} / {p['targets'][i]['kept']:.3f}"
@@ -463,8 +469,7 @@ def render(res: dict, an: dict) -> str:
         "themselves: not a deployable setting, but every method on equal terms, so the "
         "difference is the ranking alone. Lower is better.",
         "",
-        "| KL target (nats) | " + " | ".join(f"`{n}`" for n in an["predictors"]) + " | fixed |",
-        "|---|" + "---|" * (len(an["predictors"]) + 1),
+        *_by_target_head(an),
     ]
     for i, tau in enumerate(res["kl_targets"]):
         cells = ["-" if p["at_cover"][i]["kept"] is None else f"{p['at_cover'][i]['kept']:.3f}"
