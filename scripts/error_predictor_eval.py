@@ -30,9 +30,12 @@ reported on the other):
 * **within a target**: as ``results/error-target`` reports it, for targets chosen by each
   predictor;
 * **KL-unit targets**: each predictor mapped to nats by a fit on the first half (a power law
-  with the 90th percentile of its residuals as margin); for a target in nats, the share of
-  held-out prompts whose measured KL at the chosen count is within it, and the memory kept,
-  against a fixed budget with the same mean memory.
+  with the 90th percentile of its residuals as margin, out-of-fold for ``fit``); for a target
+  in nats, the share of held-out prompts whose measured KL at the chosen count is within it,
+  and the memory kept, against one fixed budget tuned on the first half to the same share;
+* **memory at the same coverage**: the mean kept fraction each needs for 90 % of the held-out
+  prompts to be within a target, every method's margin (or the fixed budget) set on the
+  held-out prompts themselves: not deployable, but the ranking compared on equal terms.
 
 Predictors: ``mean`` (shipped), ``last`` (mean over the last quarter of layers), ``max``,
 ``fit`` (log-KL ridge regression on every layer's log-error, fitted on the first half).
