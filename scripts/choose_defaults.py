@@ -164,15 +164,16 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def _run_evidence(rule: dict, out: Path, lengths, extra: dict, limit, serve_args: str) -> Path:
-    """lm_eval_grid with every candidate as a named arm (``extra``: a traffic kind's fields)."""
+def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str) -> Path:
+    """lm_eval_grid with every candidate as a named arm, at the rule's lengths (``extra``: a
+    traffic kind's fields)."""
     out.mkdir(parents=True, exist_ok=True)
     arms = {name: {"kv_budget": rule["budget"], **fields, **extra}
             for name, fields in rule["candidates"].items()}  # fmt: skip
     (out / "arms.json").write_text(json.dumps(arms, indent=1) + "\n")
     cmd = [sys.executable, str(ROOT / "scripts" / "lm_eval_grid.py"),
            "--arms", _shown(out / "arms.json"), "--tasks", ",".join(rule["tasks"]),
-           "--lengths", ",".join(map(str, lengths)), "--limit", str(limit or rule["limit"]),
+           "--lengths", ",".join(map(str, rule["lengths"])), "--limit", str(limit or rule["limit"]),
            "--max-gen-toks", str(rule["max_gen_toks"]), "--out", _shown(out)]  # fmt: skip
     if serve_args:
         cmd += ["--serve-args", serve_args]
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
     out = args.out if args.report_only is None else args.report_only.parent
     source = args.report_only or out / "lm_eval.json"
     if args.report_only is None and "query_aware" in only:
-        source = _run_evidence(rule, out, rule["lengths"], {}, args.limit, args.serve_args)
+        source = _run_evidence(rule, out, {}, args.limit, args.serve_args)
     results = json.loads(source.read_text())
     decision = choose(cell_scores(results), rule)
     decision["rule"] = str(args.rule.relative_to(ROOT)) if args.rule.is_relative_to(ROOT) \
@@ -232,8 +233,8 @@ def main(argv=None) -> int:
     for kind in kinds:
         kind_rule = traffic_rule(rule, kind, decision["winner"])
         if args.report_only is None and kind in only:
-            _run_evidence(kind_rule, out / kind, kind_rule["lengths"],
-                          rule["traffic"][kind]["fields"], args.limit, args.serve_args)  # fmt: skip
+            _run_evidence(kind_rule, out / kind, rule["traffic"][kind]["fields"], args.limit,
+                          args.serve_args)  # fmt: skip
         path = out / kind / "lm_eval.json"
         if not path.exists():
             continue
