@@ -63,11 +63,13 @@ def _merge(records: list[dict], seconds: float) -> dict:
             into = tiers.setdefault(name, {"tests": 0, "seconds": 0.0})
             into["tests"] += tier["tests"]
             into["seconds"] = round(into["seconds"] + tier["seconds"], 1)
-    total = {k: sum(r.get(k, 0) for r in records) for k in ("tests", "passed", "failed", "skipped")}
+    total = {k: sum(r.get(k, 0) for r in records)
+             for k in ("tests", "passed", "failed", "skipped", "hardware_skips")}  # fmt: skip
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": records[0].get("commit"),
         "cpus": os.cpu_count(),
+        "cpu": records[0].get("cpu"),
         "exit_status": max(r.get("exit_status", 1) for r in records),
         **total,
         "seconds": round(seconds, 1),
@@ -132,7 +134,7 @@ def main(argv: list[str]) -> int:
         merged = _merge(records, seconds)
         print(f"suite: {merged['tests']} tests, {merged['passed']} passed, {merged['failed']} "
               f"failed, {merged['skipped']} skipped, {merged['seconds']:.0f} s "
-              f"({merged['minutes']} min) of pytest")  # fmt: skip
+              f"({merged['minutes']} min) of pytest on {merged['cpu']}")  # fmt: skip
         if collected and merged["tests"] != collected[0]:
             # a lane that died would leave files unclaimed: their tests ran nowhere
             print(f"lanes: {merged['tests']} tests ran, {collected[0]} were selected: FAILED")

@@ -141,6 +141,7 @@ def test_chats_are_written_by_the_model_and_measured(engine, tokenizer):
     assert got["kept_fraction"] < 0.6
 
 
+@pytest.mark.fp8_kv
 def test_a_reference_from_another_kv_cache_dtype_measures_that_cache_itself(tmp_path):
     """``--reference-kv-cache-dtype auto`` with ``--kv-cache-dtype fp8``: the reference (its
     continuation and distributions) from an fp32 engine, every arm on an fp8 one, so the

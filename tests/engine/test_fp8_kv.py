@@ -41,7 +41,7 @@ from support.texts import needle_parts
 
 from obcache_vllm.admission import parse_kv_options
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.fp8_kv, pytest.mark.timeout(1800)]
 
 CACHE_DTYPE = "fp8"
 NUM_PROMPTS = 6

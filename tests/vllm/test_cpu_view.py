@@ -71,6 +71,7 @@ def test_scatter_then_gather_round_trips_and_touches_only_its_blocks(isa):
 # -- fp8 KV caches (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2): uint8 storage -----------------
 
 
+@pytest.mark.fp8_kv
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.5, 3.0)])
 def test_fp8_view_reads_what_the_kernel_stored_and_moves_bytes(cache_dtype, scales):
@@ -109,6 +110,7 @@ def test_fp8_view_reads_what_the_kernel_stored_and_moves_bytes(cache_dtype, scal
     assert torch.equal(cache[untouched], before[untouched])
 
 
+@pytest.mark.fp8_kv
 def test_fp8_layout_probe_matches_the_float_layout_of_the_same_isa():
     """Bit-plane markers find the same permutation the float probe finds (the ``vec`` kernel
     lays fp8 bytes out as it lays floats), and refuse a quantized layout it cannot read."""
@@ -120,6 +122,7 @@ def test_fp8_layout_probe_matches_the_float_layout_of_the_same_isa():
         probe_layout("vec", "fp8_per_token_head", torch.uint8, BS, D)
 
 
+@pytest.mark.fp8_kv
 @pytest.mark.parametrize("per_head", [pytest.param(True, id="per-head"), False])
 def test_fp8_eviction_selects_on_the_dequantized_cache_and_moves_the_stored_bytes(per_head):
     """``evict_after_attention`` on an fp8 cache the kernel wrote: it keeps exactly what the
@@ -178,3 +181,19 @@ def test_fp8_eviction_selects_on_the_dequantized_cache_and_moves_the_stored_byte
     index = keep.unsqueeze(-1).expand(-1, -1, D)
     assert torch.equal(moved_k, torch.gather(stored_k, 1, index))
     assert torch.equal(moved_v, torch.gather(stored_v, 1, index))
+
+
+def test_the_fp8_hardware_rule_is_vllms_and_matches_this_cpu():
+    """The suite skips fp8 tests (as hardware) where ``tests/support/cpu.py`` says vLLM's CPU
+    attention refuses an fp8 cache: that answer is vLLM's own ``_get_attn_isa`` rule, which
+    today is "x86 with AVX-512 or AMX"; this pins the rule to the CPU's flags, so a vLLM that
+    changes it fails here, not as a silent skip or an fp8 engine that does not start."""
+    from support.cpu import fp8_kv_cache_runs
+
+    has_isa = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+    assert fp8_kv_cache_runs() == has_isa
+    if not has_isa:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        with pytest.raises(NotImplementedError, match="AVX-512 or AMX"):
+            _get_attn_isa(torch.float32, BS, D, "fp8")
