@@ -394,8 +394,27 @@ def _refuse_target(request: KvRequest) -> None:
             if value is not None:  # fmt: skip
                 why = f"cannot be combined with {name} yet (one eviction at the prompt's end)"
                 break
+    if why is None and request.budget.kl:
+        why = _kl_target_refusal(request)
     if why is not None:
-        raise KvOptionsError("kv_budget", f"an error target: {why}", request.budget.scalar())
+        kind = "a KL target" if request.budget.kl else "an error target"
+        raise KvOptionsError("kv_budget", f"{kind}: {why}", request.budget.scalar())
+
+
+def _kl_target_refusal(request: KvRequest) -> str | None:
+    """What a KL target (``{"max_kl": nats}``) cannot be combined with: its calibration maps a
+    whole prompt's compression at its end, with no eviction after it, to the KL of the tokens
+    that follow (:mod:`obcache_vllm.scoring.calibration`); a window pipeline's errors only."""
+    if sums_every_query(request.pipeline):
+        return (f"kv_pipeline {request.pipeline} has no window of queries, whose outputs' "
+                "errors a KL calibration maps (use snapkv or tova)")  # fmt: skip
+    for name, value in (("kv_compress_at", request.compress_at),
+                        ("kv_session", request.session or None),
+                        ("kv_decode", request.decode or None)):  # fmt: skip
+        if value is not None:
+            return (f"cannot be combined with {name} yet (its calibration measured a whole "
+                    "prompt compressed at its end, nothing evicted after)")  # fmt: skip
+    return None
 
 
 def refuse_options(request: KvRequest) -> None:
@@ -531,9 +550,9 @@ def resolve(
             "kv_compress_at", f"{at} exceeds the prompt length {num_prompt_tokens}", at
         )
     base = at or num_prompt_tokens
-    tokens, requested, max_error = request.budget, request.budget, None
+    tokens, requested, max_error, kl = request.budget, request.budget, None, False
     if isinstance(tokens, ErrorTarget):
-        requested, max_error = tokens.scalar(), tokens.max_error
+        requested, max_error, kl = tokens.scalar(), tokens.max_error, tokens.kl
         tokens = tokens.floor or request.sinks + request.recent + 1
     if not isinstance(tokens, int):
         tokens = max(1, math.ceil(tokens * base))
@@ -550,7 +569,7 @@ def resolve(
         )
     _check_room(tokens, request.sinks, request.recent)
     return request.options(budget=tokens, compress_at=at, requested_budget=requested,
-                           max_error=max_error)  # fmt: skip
+                           max_error=max_error, kl_target=kl)  # fmt: skip
 
 
 def _resolve_auto(request, num_prompt_tokens, max_model_len, auto_point, auto_session,
@@ -766,6 +785,26 @@ def heads_memory_refusal(vllm_config, capabilities: Capabilities, options: KvOpt
     return None
 
 
+def kl_calibration_refusal(vllm_config, options: KvOptions) -> tuple[str, str] | None:
+    """``(field, why)`` where this engine's model has no KL calibration for a ``max_kl``
+    target, or the request's selection is not the one its calibration was measured with
+    (:mod:`obcache_vllm.scoring.calibration`); None where the target can be served."""
+    from obcache_vllm.scoring import calibration
+
+    model = vllm_config.model_config
+    layers = model.get_num_layers(vllm_config.parallel_config)
+    found = calibration.for_model(model.model, layers)
+    if found is None:
+        name, have = calibration.model_key(model.model), ", ".join(calibration.shipped())
+        return ("kv_budget", f"a KL target needs a calibration of {name} ({layers} layers) and "
+                f"none ships (calibrated: {have or 'none'}; scripts/error_predictor_eval.py "
+                '--write-calibration makes one); {"max_error": e} works on every model')
+    mismatch = found.mismatch(options)
+    if mismatch is not None:
+        return mismatch[0], f"a KL target: {mismatch[1]}"
+    return None
+
+
 def request_refusal(vllm_config, capabilities: Capabilities, options: KvOptions) -> None:
     """What this engine cannot serve of these resolved options: an error target with tensor
     parallelism (each rank would choose from its own KV heads), :func:`heads_memory_refusal`,
@@ -781,6 +820,12 @@ def request_refusal(vllm_config, capabilities: Capabilities, options: KvOptions)
             "choose from its own KV heads)",
             options.requested_budget,
         )
+    if options.kl_target:
+        refused = kl_calibration_refusal(vllm_config, options)
+        if refused is not None:
+            name, why = refused
+            raise KvOptionsError(name, why, options.requested_budget if name == "kv_budget"
+                                 else getattr(options, name.removeprefix("kv_")))  # fmt: skip
     reason = heads_memory_refusal(vllm_config, capabilities, options)
     if reason is not None:
         raise KvOptionsError("kv_pipeline", reason, options.pipeline)

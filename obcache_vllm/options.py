@@ -151,21 +151,32 @@ def one_of(known: Callable[[], Sequence[str]]) -> Parser:
 class ErrorTarget:
     """A budget given as a quality: keep the fewest tokens whose estimated error is at most
     ``max_error``, never fewer than ``floor`` (tokens, or a fraction like a budget; None: one
-    more than the sinks and recent tokens). See :mod:`obcache_vllm.scoring.estimate`."""
+    more than the sinks and recent tokens). See :mod:`obcache_vllm.scoring.estimate`.
+
+    ``kl``: the target is in nats of the next-token distributions' KL divergence from the full
+    cache's (``{"max_kl": nats}``), predicted from every layer's error by the served model's
+    calibration (:mod:`obcache_vllm.scoring.calibration`); else in the estimate's own unit
+    (``{"max_error": e}``)."""
 
     max_error: float
     floor: int | float | None = None
+    kl: bool = False
+
+    @property
+    def key(self) -> str:
+        return KL_KEY if self.kl else ERROR_KEY
 
     def scalar(self) -> str:
         """The scalar form (``vllm_xargs``, environment variables, the wire tuple)."""
         floor = "" if self.floor is None else f",min:{self.floor!r}"
-        return f"{ERROR_KEY}:{self.max_error!r}{floor}"
+        return f"{self.key}:{self.max_error!r}{floor}"
 
 
 ERROR_KEY = "max_error"
-_TARGET_KEYS = (ERROR_KEY, "min")
+KL_KEY = "max_kl"
+_TARGET_KEYS = (ERROR_KEY, KL_KEY, "min")
 _TARGET_SHAPE = (
-    'an integer >= 1, a fraction in (0, 1], or an error target {"max_error": e} '
+    'an integer >= 1, a fraction in (0, 1], or a target {"max_error": e} or {"max_kl": nats} '
     '(optionally with "min": a floor budget; scalar form "max_error:e[,min:m]")'
 )
 
@@ -174,7 +185,7 @@ def is_error_target(value: Any) -> bool:
     """Whether a raw ``kv_budget`` value asks for a quality (before it is parsed)."""
     if isinstance(value, Mapping):
         return True
-    return isinstance(value, str) and value.strip().startswith(ERROR_KEY)
+    return isinstance(value, str) and value.strip().startswith((ERROR_KEY, KL_KEY))
 
 
 def _target_items(field: str, value: Any) -> dict[str, Any]:
@@ -193,21 +204,26 @@ def _target_items(field: str, value: Any) -> dict[str, Any]:
                 raise KvOptionsError(field, f"{key.strip()}: not a number", value) from None
             items[key.strip()] = int(number) if key.strip() == "min" and "." not in raw else number
     unknown = sorted(str(k) for k in items if k not in _TARGET_KEYS)
-    if unknown or ERROR_KEY not in items:
-        why = f"unknown key {unknown[0]!r}" if unknown else f"{ERROR_KEY} is missing"
+    targets = [k for k in (ERROR_KEY, KL_KEY) if k in items]
+    if unknown or len(targets) != 1:
+        why = (f"unknown key {unknown[0]!r}" if unknown else
+               f"{ERROR_KEY} and {KL_KEY} together" if targets else
+               f"{ERROR_KEY} (or {KL_KEY}) is missing")  # fmt: skip
         raise KvOptionsError(field, f"{why}; must be {_TARGET_SHAPE}", value)
     return items
 
 
 def error_target(field: str, value: Any) -> ErrorTarget:
     """``{"max_error": e, "min": m}`` or ``"max_error:e,min:m"``: e a number > 0 (the
-    estimate's unit: :mod:`obcache_vllm.scoring.estimate`), m a budget (the floor)."""
+    estimate's unit: :mod:`obcache_vllm.scoring.estimate`), m a budget (the floor);
+    ``{"max_kl": nats, "min": m}`` (``"max_kl:nats,min:m"``): the target in nats."""
     items = _target_items(field, value)
-    target = items[ERROR_KEY]
+    key = KL_KEY if KL_KEY in items else ERROR_KEY
+    target = items[key]
     if isinstance(target, bool) or not isinstance(target, (int, float)):
-        raise KvOptionsError(field, f"{ERROR_KEY} must be a number > 0", value)
+        raise KvOptionsError(field, f"{key} must be a number > 0", value)
     if not math.isfinite(target) or target <= 0:
-        raise KvOptionsError(field, f"{ERROR_KEY} must be a finite number > 0", value)
+        raise KvOptionsError(field, f"{key} must be a finite number > 0", value)
     floor = items.get("min")
     if floor is not None:
         try:
@@ -216,7 +232,7 @@ def error_target(field: str, value: Any) -> ErrorTarget:
             raise KvOptionsError(field, f"min {str(exc).split(': ', 1)[1]}", value) from None
         if isinstance(floor, ErrorTarget):
             raise KvOptionsError(field, "min must be a budget, not an error target", value)
-    return ErrorTarget(float(target), floor)
+    return ErrorTarget(float(target), floor, kl=key == KL_KEY)
 
 
 def budget(field: str, value: Any) -> int | float | ErrorTarget:
@@ -332,9 +348,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "that fraction of the prompt (rounded up; of k with `kv_compress_at`). "
         '`{"max_error": e}` (or `"max_error:e"` where only scalars travel): an error target, '
         "the fewest tokens whose estimated error is at most e, never fewer than its optional "
-        '`"min"` (a budget as above; default `kv_sinks + kv_recent + 1`); see "Budgets by '
-        'error target". Unset: a stock request',
-        examples=(64, 96, 200, {"max_error": 0.05}),
+        '`"min"` (a budget as above; default `kv_sinks + kv_recent + 1`); `{"max_kl": nats}`: '
+        "the same in nats of KL from the full cache's next-token distributions, for a model "
+        'that ships a calibration; see "Budgets by error target". Unset: a stock request',
+        examples=(64, 96, 200, {"max_error": 0.05}, {"max_kl": 0.2}),
     ),
     OptionSpec(
         "kv_scorer", one_of(_scorer_names), "obcache_key", (str,),
@@ -444,6 +461,9 @@ def _resolved_only() -> list[tuple]:
         # An error target (kv_budget {"max_error": e}): ``budget`` is then its floor, and the
         # worker keeps the fewest tokens, at or above it, whose estimated error is at most e.
         ("max_error", Any, field(default=None, kw_only=True)),
+        # ... and in nats ({"max_kl": nats}): ``max_error`` is then that many nats, and the
+        # worker predicts each count's KL from its layers' errors (scoring.calibration).
+        ("kl_target", bool, field(default=False, kw_only=True)),
     ]
 
 
@@ -451,6 +471,7 @@ _RESOLVED_TYPES: dict[str, tuple[type, ...]] = {
     "requested_budget": (int, float, str, type(None)),
     "tentative": (bool,),
     "max_error": (float, type(None)),
+    "kl_target": (bool,),
 }
 
 
@@ -525,7 +546,7 @@ class _RequestMethods:
     def options(self, **resolved: Any):
         """The :class:`KvOptions` of this request's fields, with ``resolved`` over them (what
         :func:`obcache_vllm.admission.resolve` decided on a prompt: the budget in tokens, the
-        compress point, ``requested_budget``, ``max_error``, ``tentative``)."""
+        compress point, ``requested_budget``, ``max_error``, ``kl_target``, ``tentative``)."""
         values = {spec.name: getattr(self, spec.name) for spec in self.table.specs}
         return self.table.options_type(**{**values, **resolved})
 
@@ -668,6 +689,7 @@ if TYPE_CHECKING:
         )
         tentative: bool = field(default=False, kw_only=True)
         max_error: float | None = field(default=None, kw_only=True)
+        kl_target: bool = field(default=False, kw_only=True)
 
 else:
     KvRequest = TABLE.request_type

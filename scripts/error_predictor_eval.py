@@ -80,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--step", type=int, default=1, help="blocks between measured counts")
     ap.add_argument("--kl-targets", type=_csv(float), default=[0.05, 0.1, 0.2, 0.4, 0.8])
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--write-calibration", action="store_true",
+                    help="write the fit and its KL map as the model's shipped calibration "
+                    "(a file in obcache_vllm/calibrations/), what kv_budget {max_kl} reads")
     return parse_script_args(ap, ROOT / "results" / "error-predictor", argv)
 
 
@@ -97,7 +100,7 @@ def _record_curves(store: list) -> None:
 
     original = lifecycle.finish_deferred
 
-    def recording(plan, num_layers):
+    def recording(plan, num_layers, *rest):
         for row in plan.rows:
             deferred = row.outcome.deferred
             if deferred and len(deferred) == num_layers:
@@ -105,7 +108,7 @@ def _record_curves(store: list) -> None:
                         for d in layer_mod._candidates(row)]  # fmt: skip
                 curves = torch.stack([d.curve for d in deferred.values()])
                 store.append((row.req_id, kept, curves.tolist()))
-        return original(plan, num_layers)
+        return original(plan, num_layers, *rest)
 
     lifecycle.finish_deferred = recording
 
@@ -496,7 +499,37 @@ def main(argv=None) -> int:
     (out / "error_predictor.md").write_text(render(res, an))
     (out / "analysis.json").write_text(json.dumps(an, indent=1) + "\n")
     print(render(res, an))
+    if args.write_calibration:
+        path = write_calibration(res, an, out)
+        print(f"calibration: {path.relative_to(ROOT)}")
     return 0
+
+
+def calibration(res: dict, an: dict, out: Path) -> dict:
+    """The shipped calibration of ``kv_budget: {"max_kl": nats}``: the ridge fit (on the
+    fitting half) and its cross-fitted KL map, exactly the ``fit`` predictor whose held-out
+    coverage the report gives, with the setting it was measured in."""
+    from obcache_vllm.scoring.calibration import KlCalibration
+
+    fit = an["predictors"]["fit"]["map"]
+    return KlCalibration(
+        model=res["model_name"], num_layers=an["layers"], intercept=an["ridge"]["intercept"],
+        weights=tuple(an["ridge"]["weights"]), map_a=fit["a"], map_b=fit["b"],
+        margin=fit["margin"],
+        setting={"pipeline": res["pipeline"], "window": 32, "per_head": True,
+                 "scorer": res["scorer"]},
+        source=f"{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}/analysis.json "
+               f"({res['date']}, {an['fit_prompts']} fitting prompts of "
+               f"{res['prompt_tokens']} tokens)",
+    ).to_json()  # fmt: skip
+
+
+def write_calibration(res: dict, an: dict, out: Path) -> Path:
+    from obcache_vllm.scoring.calibration import CALIBRATIONS
+
+    path = CALIBRATIONS / f"{res['model_name']}.json"
+    path.write_text(json.dumps(calibration(res, an, out.resolve()), indent=1) + "\n")
+    return path
 
 
 if __name__ == "__main__":

@@ -375,13 +375,15 @@ def _defer(plan, row: RowPlan, layer: str, q_rows, keys, values, view, blocks, g
     row.outcome.deferred[layer] = DeferredLayer(view, blocks, ranking, curve.cpu())
 
 
-def finish_deferred(plan: StepPlan, num_layers: int) -> None:
+def finish_deferred(plan: StepPlan, num_layers: int, calibration=None) -> None:
     """Choose and write every error target's order of the step, after the forward pass.
 
     All layers share one block table, so the count is chosen only once every layer has scored
     (:func:`_defer` in each); nothing has been written or freed by then. The choice is the
     fewest kept tokens whose estimate (the mean of the layers' curves) is at most the target
-    (:func:`obcache_vllm.scoring.estimate.choose`); then each layer gathers its resident K/V
+    (:func:`obcache_vllm.scoring.estimate.choose`), or for a KL target (``kl_target``) the
+    KL that ``calibration`` (:class:`~obcache_vllm.scoring.calibration.KlCalibration`, the
+    served model's) predicts from every layer's curve; then each layer gathers its resident K/V
     again, selects that many and writes them, as an ordinary order would. Faults are contained
     to the row as in the layers (a fault before the first write leaves the cache as it was).
     """
@@ -394,7 +396,13 @@ def finish_deferred(plan: StepPlan, num_layers: int) -> None:
         try:
             if len(outcome.deferred) != num_layers:
                 raise RuntimeError(f"{len(outcome.deferred)} of {num_layers} layers scored")
-            curve = torch.stack([d.curve for d in outcome.deferred.values()]).mean(dim=0)
+            curves = torch.stack([d.curve for d in outcome.deferred.values()])  # [L, C]
+            if opts.kl_target:
+                if calibration is None:
+                    raise RuntimeError("a KL target without the model's KL calibration")
+                curve = calibration.nats(curves)
+            else:
+                curve = curves.mean(dim=0)
             index = estimate.choose(curve, order.max_error)
         except Exception as exc:
             outcome.fail("score", exc, "error target")

@@ -483,9 +483,11 @@ class RequestBlocks:
         if self.options.max_error is not None:
             # A target's budget is what it chose; its floor is named as such.
             outcome["budget_floor"] = outcome.pop("budget")
-            outcome["max_error"] = self.options.max_error
+            kl = self.options.kl_target  # in nats: the model's calibration predicted it
+            outcome["max_kl" if kl else "max_error"] = self.options.max_error
             if self.chosen is not None:
-                outcome["chosen_budget"], outcome["estimated_error"] = self.chosen
+                estimated = "estimated_kl" if kl else "estimated_error"
+                outcome["chosen_budget"], outcome[estimated] = self.chosen
                 outcome["budget"] = outcome["chosen_budget"]
             if self.options.session:
                 outcome["conversation_error"] = self.conversation_error
@@ -529,6 +531,10 @@ USAGE_FIELDS: dict[str, str] = {
     "prompt's end (absent: no block could go, nothing was chosen)",
     "estimated_error": "an error target's estimate of its choice (mean over layers and KV "
     "heads; see Budgets by error target), at most `max_error`",
+    "max_kl": "a KL target's `max_kl` (nats)",
+    "estimated_kl": "a KL target's prediction for its choice: the KL (nats) of the next-token "
+    "distributions from the full cache's that the model's calibration predicts from every "
+    "layer's error, with the margin that held 90 % of its fitting prompts; at most `max_kl`",
     "conversation_error": "an error target with `kv_session`: the estimated error of the "
     "cache this turn leaves against the uncompressed conversation (the continued cache's and "
     "this turn's, added as norms), at most `max_error`: a turn chooses within what the earlier "

@@ -386,3 +386,74 @@ def test_a_target_with_kv_decode_decodes_as_the_fixed_budget_it_chose(engine, do
     alone = [out_t, out_f, _run(engine, [batch[2]], max_tokens=new)[0]]
     for (_, opts), got, solo in zip(batch, together, alone, strict=True):
         assert list(got.outputs[0].token_ids) == list(solo.outputs[0].token_ids), opts
+
+
+# -- KL targets: {"max_kl": nats}, the default model's shipped calibration --------------------
+CALIBRATED = {"kv_pipeline": "snapkv", "kv_window": 32, "kv_per_head": True,
+              "kv_scorer": "obcache_key"}  # fmt: skip
+
+
+def _kl_oracle():
+    """The evaluation's own predictor and map (scripts/error_predictor_eval.py: scalar Python,
+    from the committed analysis), not the worker's tensor code."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("epe", root / "scripts/error_predictor_eval.py")
+    ep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ep)
+    an = json.loads((root / "results/error-predictor/analysis.json").read_text())
+    pred, mapping = ep.predictor("fit", an["ridge"]), an["predictors"]["fit"]["map"]
+    return lambda errors: ep.in_nats(mapping, pred(errors))
+
+
+def test_a_kl_target_chooses_what_the_models_calibration_predicts(engine, docs, monkeypatch):
+    """``{"max_kl": nats}`` on the real model: every layer's curve is recorded where the worker
+    chooses; the count each request kept is the fewest whose KL, predicted by the evaluation's
+    own code from those curves, is within its target; its reported ``estimated_kl`` is that
+    prediction; a looser target keeps no more; targets in flight together choose as alone."""
+    import torch
+
+    from obcache_vllm.vllm_ext.worker import lifecycle
+
+    seen: dict[str, tuple[list[int], list[list[float]]]] = {}
+    original = lifecycle.finish_deferred
+
+    def recording(plan, num_layers, *rest):
+        for row in plan.rows:
+            if row.outcome.deferred and len(row.outcome.deferred) == num_layers:
+                kept = [row.logical_len - d * row.block_size for d in
+                        range(row.order.dead_after, row.order.dead_before - 1, -1)]  # fmt: skip
+                curves = torch.stack([d.curve for d in row.outcome.deferred.values()])
+                seen[row.req_id] = (kept, curves.T.tolist())
+        return original(plan, num_layers, *rest)
+
+    monkeypatch.setattr(lifecycle, "finish_deferred", recording)
+    oracle = _kl_oracle()
+    targets = (0.05, 0.2, 0.8)
+    alone = {}
+    for nats in targets:
+        seen.clear()
+        ids = docs["dense"]
+        (out,) = _run(engine, [(ids, {"kv_budget": {"max_kl": nats}, **CALIBRATED})])
+        kv = _outcome(out)
+        ((kept, per_candidate),) = seen.values()
+        predicted = [oracle(errors) for errors in per_candidate]
+        want = next((k for k, p in zip(kept, predicted, strict=True) if p <= nats), kept[-1])
+        assert kv["max_kl"] == nats and "max_error" not in kv
+        got = kv.get("chosen_budget", len(ids))
+        assert got == want, (nats, got, want, predicted)
+        if "chosen_budget" in kv:
+            assert kv["estimated_kl"] == pytest.approx(predicted[kept.index(got)], rel=1e-6)
+            assert kv["estimated_kl"] <= nats
+            assert kv["freed_blocks"] * BS == len(ids) - got
+        alone[nats] = got
+    assert alone[0.8] <= alone[0.2] <= alone[0.05], alone
+    assert alone[0.8] < len(docs["dense"]), alone  # the loosest target frees blocks
+    outs = _run(engine, [(docs["dense"], {"kv_budget": {"max_kl": t}, **CALIBRATED})
+                         for t in targets])  # fmt: skip
+    together = {t: _outcome(o).get("chosen_budget", len(docs["dense"]))
+                for t, o in zip(targets, outs, strict=True)}  # fmt: skip
+    assert together == alone

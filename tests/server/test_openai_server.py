@@ -197,6 +197,28 @@ def test_an_error_target_chooses_its_budget_and_reports_it(server: Server) -> No
     assert chosen[0.05] < chosen[0.002], chosen
 
 
+def test_a_kl_target_chooses_its_budget_in_nats_and_reports_it(server: Server) -> None:
+    """``kv_budget: {"max_kl": nats}`` with the server's shipped selection (the one the default
+    model's calibration was measured with): the choice and its predicted KL are reported in
+    ``usage.obcache``; a looser target keeps no more tokens."""
+    client = _client(server)
+    prompt = _long_text(30, seed=5)
+    chosen = {}
+    for nats, body in ((0.05, {"kv_budget": {"max_kl": 0.05}}),
+                       (0.8, {"vllm_xargs": {"kv_budget": "max_kl:0.8"}})):  # fmt: skip
+        reply = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0,
+                                          max_tokens=4, extra_body=body)  # fmt: skip
+        kv = _obcache_usage(reply.usage)
+        n = reply.usage.prompt_tokens
+        assert kv["max_kl"] == nats and "max_error" not in kv, kv
+        assert kv["pipeline"] == "snapkv" and kv["budget_floor"] <= kv.get("budget", n)
+        if "chosen_budget" in kv:
+            assert 0 <= kv["estimated_kl"] <= nats
+            assert kv["freed_blocks"] * BLOCK == n - kv["chosen_budget"]
+        chosen[nats] = kv.get("chosen_budget", n)
+    assert chosen[0.8] <= chosen[0.05] and chosen[0.8] < n, chosen  # 0.8 nats frees blocks
+
+
 def test_request_without_budget_reports_nothing_and_ratio_budget_applies(server: Server) -> None:
     client = _client(server)
     plain = client.completions.create(
@@ -241,6 +263,12 @@ BAD_INPUTS = [
                  id="target-without-queries"),
     pytest.param({"vllm_xargs": {"kv_budget": "max_error:-1"}}, "kv_budget",
                  id="target-in-vllm_xargs"),
+    pytest.param({"kv_budget": {"max_kl": 0.2, "max_error": 0.1}}, "kv_budget", id="kl-and-error"),
+    pytest.param({"kv_budget": {"max_kl": 0.2}, "kv_decode": True}, "kv_budget",
+                 id="kl-target-with-decode"),
+    # the engine's refusal: the model's calibration was measured with window 32
+    pytest.param({"kv_budget": {"max_kl": 0.2}, "kv_window": 64}, "kv_window",
+                 id="kl-target-uncalibrated-window"),
 ]
 
 

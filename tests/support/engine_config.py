@@ -37,7 +37,10 @@ def engine_config(**over):
                                      is_attention_free=False, use_mla=False,
                                      is_mm_prefix_lm=False, rswa_window=None,
                                      get_sliding_window=lambda: None,
-                                     hf_text_config=SimpleNamespace()),
+                                     hf_text_config=SimpleNamespace(),
+                                     # the default model's name and depth (its KL calibration)
+                                     model="/models/SmolLM2-135M-Instruct",
+                                     get_num_layers=lambda parallel_config: 30),
         scheduler_config=SimpleNamespace(async_scheduling=False, scheduler_cls=None,
                                          disable_hybrid_kv_cache_manager=False,
                                          max_num_batched_tokens=256,

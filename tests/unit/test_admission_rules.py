@@ -129,6 +129,9 @@ def _users_scheduler():
 
 B = {"kv_budget": 64}
 TARGET = {"kv_budget": {"max_error": 0.1}}
+# A KL target with the selection the default model's calibration was measured with.
+KL = {"kv_budget": {"max_kl": 0.2}, "kv_pipeline": "snapkv", "kv_window": 32,
+      "kv_per_head": True, "kv_scorer": "obcache_key"}  # fmt: skip
 
 
 def hints(*actions):
@@ -151,6 +154,10 @@ CASES = [
      "kv_budget", "share of attention"),
     ("target-prefill", lambda: admission.parse({**TARGET, "kv_prefill_evict": True}),
      "kv_budget", "kv_prefill_evict"),
+    ("kl-target-h2o", lambda: admission.parse({**KL, "kv_pipeline": "h2o", "kv_scorer": "attn"}),
+     "kv_budget", "no window of queries"),
+    ("kl-target-point", lambda: admission.parse({**KL, "kv_compress_at": 9}), "kv_budget",
+     "kv_compress_at"),
     ("target-floor-room", lambda: admission.parse(
         {"kv_budget": {"max_error": 0.1, "min": 10}, "kv_sinks": 4}), "kv_budget", "exceed"),
     ("adakv-prefill", lambda: admission.parse({**B, "kv_pipeline": "adakv",
@@ -234,6 +241,10 @@ CASES = [
     ("prompt-embeds", lambda: admit(B, embeds=True), "kv_budget", "prompt embeddings"),
     ("target-tensor-parallel", lambda: admit(TARGET, config=engine(
         **{"parallel_config.tensor_parallel_size": 2})), "kv_budget", "tensor parallelism"),
+    ("kl-target-uncalibrated-model", lambda: admit(KL, config=engine(
+        **{"model_config.model": "/models/gemma-3-270m"})), "kv_budget", "needs a calibration"),
+    ("kl-target-uncalibrated-window", lambda: admit({**KL, "kv_window": 64}), "kv_window",
+     "measured with"),
     ("adakv-tensor-parallel", lambda: admit({**B, "kv_pipeline": "adakv"}, config=engine(
         **{"parallel_config.tensor_parallel_size": 2})), "kv_pipeline", "tensor parallelism"),
     ("adakv-on-cuda", lambda: admit({**B, "kv_pipeline": "adakv"}, backend="cuda"),
@@ -315,6 +326,12 @@ def test_the_cases_reach_every_refusal_admission_makes():
     lines = ADMISSION.read_text().splitlines()
     assert not missed, "refusals no case reaches:\n" + "\n".join(
         f"admission.py:{n}: {lines[n - 1].strip()}" for n in missed)
+
+
+def test_a_kl_target_with_the_calibrated_selection_is_admitted():
+    admitted = admit(KL)
+    assert admitted is not None and admitted.options.kl_target
+    assert admitted.options.max_error == 0.2
 
 
 def test_a_policy_budget_is_waived_not_refused_where_admission_would_refuse():

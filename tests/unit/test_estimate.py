@@ -158,7 +158,7 @@ def test_a_deferred_order_scores_every_layer_then_keeps_one_count_in_all(target)
         ({"max_error": 0}, "finite number > 0"),
         ({"max_error": True}, "a number > 0"),
         ({"max_error": 0.1, "extra": 1}, "unknown key 'extra'"),
-        ({"min": 64}, "max_error is missing"),
+        ({"min": 64}, r"max_error \(or max_kl\) is missing"),
         ({"max_error": 0.1, "min": 0}, "min must be an integer >= 1"),
         ("max_error:nope", "max_error: not a number"),
         ("max_error=0.1", "must be an integer >= 1"),

@@ -42,7 +42,7 @@ def test_a_new_option_is_one_row() -> None:
     assert isinstance(resolved, table.options_type) and resolved.flavor == "spicy"
     assert table.options_type.from_wire(resolved.to_wire()) == resolved
     with pytest.raises(options.WireError, match="flavor"):
-        table.options_type.from_wire(resolved.to_wire()[:-4] + (7, None, False, None))
+        table.options_type.from_wire(resolved.to_wire()[:-5] + (7, None, False, None, False))
     # the server's built-in defaults and the fuzzer's plausible values
     assert table.builtin_defaults()["kv_flavor"] == "plain"
     assert table.spec("kv_flavor").example_values() == ("plain", "spicy")
@@ -65,7 +65,7 @@ def test_the_modules_types_are_the_tables() -> None:
     request_fields = [f.name for f in dataclasses.fields(options.KvRequest)]
     assert request_fields == names  # the client's options only (the policy rides beside)
     resolved_fields = [f.name for f in dataclasses.fields(options.KvOptions)]
-    assert resolved_fields == [*names, "requested_budget", "tentative", "max_error"]
+    assert resolved_fields == [*names, "requested_budget", "tentative", "max_error", "kl_target"]
     assert options.FIELDS == tuple(spec.field for spec in options.OPTIONS)
     assert tuple(config.BUILTIN_DEFAULTS) == options.FIELDS
     assert config.PER_REQUEST_ONLY == ("kv_compress_at", "kv_session")

@@ -78,8 +78,9 @@ class WorkerEviction:
     each request's kept positions (verification, ``OBCACHE_VLLM_RECORD_KEEP=1``).
     """
 
-    def __init__(self, block_size: int, records: bool = False) -> None:
+    def __init__(self, block_size: int, records: bool = False, model: str | None = None) -> None:
         self.block_size = block_size
+        self.model = model  # the served model's path or id: its KL calibration's name
         self.states: dict[str, RequestKvState] = {}
         self.queries = DecodeQueryStore()
         self.records: OrderedDict[str, dict] | None = OrderedDict() if records else None
@@ -269,6 +270,15 @@ class WorkerEviction:
         )
         return self.plan
 
+    def _calibration(self, num_layers: int):
+        """The served model's KL calibration (``kv_budget: {"max_kl": ..}``), or None; admission
+        refuses a KL target where there is none, so a KL order without it is a fault."""
+        if self.model is None:
+            return None
+        from obcache_vllm.scoring.calibration import for_model
+
+        return for_model(self.model, num_layers)
+
     # -- 3. commit and report -------------------------------------------------------------
     def commit(self, num_layers: int, tp_group=None) -> None:
         """Step 3: what every layer did to the step's plan, as the step's report."""
@@ -276,7 +286,8 @@ class WorkerEviction:
         untracked, self._untracked = self._untracked, []
         if plan is None or not (plan.rows or untracked):
             return
-        finish_deferred(plan, num_layers)  # error targets: every layer has scored by now
+        # error targets: every layer has scored by now
+        finish_deferred(plan, num_layers, self._calibration(num_layers))
         if tp_group is not None:  # every rank commits the same outcome (see agree_across_ranks)
             agree_across_ranks(plan.rows, num_layers, tp_group)
         applied, failures, states = [], [], {}

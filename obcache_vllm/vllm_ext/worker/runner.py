@@ -49,7 +49,8 @@ class EvictingRunnerMixin:
         super().__init__(*args, **kwargs)
         # Verification aid: kept positions per request and layer (OBCACHE_VLLM_RECORD_KEEP=1).
         self.obcache = WorkerEviction(self.cache_config.block_size,
-                                      records=settings.flag(RECORD_ENV))  # fmt: skip
+                                      records=settings.flag(RECORD_ENV),
+                                      model=self.model_config.model)  # fmt: skip
         self._obcache_output = None  # scheduler output of the step being executed
         self._obcache_layer_index: dict[str, int] | None = None
         self._obcache_group: int | None = None
