@@ -182,10 +182,12 @@ def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str) ->
 
 
 def traffic_rule(rule: dict, kind: str, shipped: str | None) -> dict:
-    """The rule for one traffic kind: the same, with the shipped winner as its current."""
+    """The rule for one traffic kind: the same, with the shipped winner as its current; a kind
+    may set its own ``lengths``, ``limit`` and ``budget``, and add ``candidates``."""
+    spec = rule["traffic"][kind]
     kind_rule = {**rule, "current": shipped or rule["current"]}
-    kind_rule.update({k: rule["traffic"][kind][k] for k in ("lengths", "limit")
-                      if k in rule["traffic"][kind]})  # fmt: skip
+    kind_rule.update({k: spec[k] for k in ("lengths", "limit", "budget") if k in spec})
+    kind_rule["candidates"] = {**rule["candidates"], **spec.get("candidates", {})}
     return kind_rule
 
 

@@ -118,3 +118,13 @@ def test_each_traffic_kind_gets_its_own_winner_and_the_query_aware_one_is_shippe
     report = (tmp_path / "DECISION.md").read_text()
     assert "### Agnostic traffic" in report and "`kv_compress_at: -96`" in report
     assert "Recommended for agnostic traffic: `kv_pipeline: \"snapkv\"`" in report
+
+
+def test_a_traffic_kind_may_set_its_budget_and_add_candidates():
+    rule = yaml.safe_load((ROOT / "configs" / "choose_defaults.yaml").read_text())
+    kind = choose_defaults.traffic_rule(rule, "query_agnostic_30", "snapkv-w32-obcache_key")
+    assert kind["budget"] == 0.3 and kind["current"] == "snapkv-w32-obcache_key"
+    assert "streaming" in kind["candidates"] and "streaming" not in rule["candidates"]
+    assert set(rule["candidates"]) < set(kind["candidates"])
+    plain = choose_defaults.traffic_rule(rule, "query_agnostic", None)
+    assert plain["budget"] == rule["budget"] and plain["candidates"] == rule["candidates"]
