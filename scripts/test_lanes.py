@@ -10,11 +10,13 @@ records (``lane-0.json``, ``lane-1.json`` in .ci/last-run/) are merged into the 
 ``suite.json`` there, whose ``seconds`` is this command's wall time. With fewer than two
 cores it runs one plain session.
 
-The suite has a time limit: CI gives setup and suite 35 minutes on 2 cores, so a whole run
-(no test selection in the arguments) that takes more than 37 minutes of pytest in two lanes, or
-60 minutes as one session on one core, fails with a line saying so, even when every test
-passed: a slow suite is caught the day it slows, not when CI times out.
-``OBCACHE_SUITE_LIMIT_MINUTES`` overrides the limit (0: none).
+The suite has a time target and a time limit. The project's target for setup and suite on CI's
+2 cores is 35 minutes: a whole run (no test selection in the arguments) over 37 minutes of
+pytest in two lanes, or 60 as one session on one core, ends with a WARNING line saying so. CI
+itself stops at 90 minutes, setup included, and its machines differ in speed (one without
+AVX-512 ran this suite about three times slower): a whole run over 60 minutes in two lanes, or
+75 in one, fails with a line saying so, even when every test passed, so a slow suite is caught
+before CI cuts it off unreported. ``OBCACHE_SUITE_LIMIT_MINUTES`` overrides the limit (0: none).
 """
 
 from __future__ import annotations
@@ -33,27 +35,45 @@ LAST_RUN = ROOT / ".ci" / "last-run"
 sys.path.insert(0, str(ROOT / "tests"))
 from support.lanes import CLAIMS_ENV, LANE_ENV, suite_cores  # noqa: E402
 
-LIMIT_MINUTES = {2: 37.0, 1: 60.0}  # by lanes
+TARGET_MINUTES = {2: 37.0, 1: 60.0}  # by lanes: over it, a warning
+LIMIT_MINUTES = {2: 60.0, 1: 75.0}  # by lanes: over it, the run fails
+
+
+def _whole(argv: list[str]) -> bool:
+    """Only a whole run is timed against the suite's target and limit: arguments that select
+    tests (paths, ``-k``, ``-m``) run a part."""
+    return not any(not a.startswith("-") or a in ("-k", "-m") for a in argv)
+
+
+def over_target(seconds: float, lanes: int, argv: list[str]) -> str | None:
+    """The warning for a whole run over the suite's time target, or None."""
+    target = TARGET_MINUTES[lanes]
+    if _whole(argv) and seconds > target * 60:
+        return (f"suite: {seconds / 60:.1f} min of pytest in {lanes} lane(s), over the "
+                f"{target:.0f}-minute target: WARNING (the project's target: setup + suite 35 "
+                "minutes on CI)")  # fmt: skip
+    return None
 
 
 def over_limit(seconds: float, lanes: int, argv: list[str]) -> str | None:
-    """Why a run of ``seconds`` broke the suite's time limit, or None. Only a whole run is
-    held to it: arguments that select tests (paths, ``-k``, ``-m``) run a part."""
-    if any(not a.startswith("-") or a in ("-k", "-m") for a in argv):
+    """Why a run of ``seconds`` broke the suite's time limit, or None (a whole run only)."""
+    if not _whole(argv):
         return None
     limit = float(os.environ.get("OBCACHE_SUITE_LIMIT_MINUTES", LIMIT_MINUTES[lanes]))
     if limit and seconds > limit * 60:
         return (f"suite: {seconds / 60:.1f} min of pytest in {lanes} lane(s), over the "
-                f"{limit:.0f}-minute limit: FAILED (CI: setup + suite 35 minutes)")  # fmt: skip
+                f"{limit:.0f}-minute limit: FAILED (CI stops at 90 minutes, setup "
+                "included)")  # fmt: skip
     return None
 
 
 def _held_to_limit(code: int, seconds: float, lanes: int, argv: list[str]) -> int:
-    """The run's exit status, made a failure (and said why) when it broke the time limit."""
-    late = over_limit(seconds, lanes, argv)
-    if late:
-        print(late)
-    return code or (1 if late else 0)
+    """The run's exit status, made a failure (and said why) when it broke the time limit;
+    a run over the target only says so."""
+    for line in (over_target(seconds, lanes, argv), over_limit(seconds, lanes, argv)):
+        if line:
+            print(line)
+    return code or (1 if over_limit(seconds, lanes, argv) else 0)
 
 
 def _merge(records: list[dict], seconds: float) -> dict:

@@ -132,21 +132,28 @@ def test_two_lanes_run_each_file_once(tmp_path: Path):
     assert "lanes: exit [0, 0]" in out
 
 
-def test_a_whole_run_past_its_time_limit_fails_and_says_so(monkeypatch):
-    """The suite's time limit (scripts/test_lanes.py): 37 minutes in two lanes, 60 in one;
-    a run that selects tests is not held to it; the variable overrides it (0: none)."""
+def test_a_whole_run_past_its_time_limit_fails_and_says_so(monkeypatch, capsys):
+    """The suite's time target and limit (scripts/test_lanes.py): over 37 minutes in two lanes
+    (60 in one) a warning, over 60 (75 in one) a failure; a run that selects tests is held to
+    neither; the variable overrides the limit (0: none)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("lanes_script", REPO / "scripts/test_lanes.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     monkeypatch.delenv("OBCACHE_SUITE_LIMIT_MINUTES", raising=False)
-    assert script.over_limit(36 * 60, 2, []) is None
-    late = script.over_limit(38 * 60, 2, ["-q", "-rA"])
-    assert late is not None and "over the 37-minute limit: FAILED" in late
-    assert script.over_limit(38 * 60, 1, []) is None
-    assert "60-minute" in script.over_limit(61 * 60, 1, [])
+    assert script.over_target(36 * 60, 2, []) is None
+    assert "over the 37-minute target: WARNING" in script.over_target(38 * 60, 2, ["-q"])
+    assert script.over_limit(38 * 60, 2, ["-q", "-rA"]) is None
+    assert script._held_to_limit(0, 38 * 60, 2, []) == 0  # a warning only
+    assert "WARNING" in capsys.readouterr().out
+    late = script.over_limit(61 * 60, 2, ["-q", "-rA"])
+    assert late is not None and "over the 60-minute limit: FAILED" in late
+    assert script._held_to_limit(0, 61 * 60, 2, []) == 1
+    assert script.over_limit(61 * 60, 1, []) is None
+    assert "75-minute" in script.over_limit(76 * 60, 1, [])
     assert script.over_limit(99 * 60, 2, ["tests/unit"]) is None  # a part of the suite
+    assert script.over_target(99 * 60, 2, ["tests/unit"]) is None
     monkeypatch.setenv("OBCACHE_SUITE_LIMIT_MINUTES", "0")
     assert script.over_limit(99 * 60, 2, []) is None
     monkeypatch.setenv("OBCACHE_SUITE_LIMIT_MINUTES", "1")
