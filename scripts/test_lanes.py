@@ -70,10 +70,11 @@ def over_limit(seconds: float, lanes: int, argv: list[str]) -> str | None:
 def _held_to_limit(code: int, seconds: float, lanes: int, argv: list[str]) -> int:
     """The run's exit status, made a failure (and said why) when it broke the time limit;
     a run over the target only says so."""
-    for line in (over_target(seconds, lanes, argv), over_limit(seconds, lanes, argv)):
+    late = over_limit(seconds, lanes, argv)
+    for line in (over_target(seconds, lanes, argv), late):
         if line:
             print(line)
-    return code or (1 if over_limit(seconds, lanes, argv) else 0)
+    return code or (1 if late else 0)
 
 
 def _merge(records: list[dict], seconds: float) -> dict:

@@ -416,6 +416,7 @@ def test_a_kl_target_chooses_what_the_models_calibration_predicts(engine, docs, 
     prediction; a looser target keeps no more; targets in flight together choose as alone."""
     import torch
 
+    from obcache_vllm.eviction.layer import _candidates
     from obcache_vllm.vllm_ext.worker import lifecycle
 
     seen: dict[str, tuple[list[int], list[list[float]]]] = {}
@@ -424,8 +425,7 @@ def test_a_kl_target_chooses_what_the_models_calibration_predicts(engine, docs, 
     def recording(plan, num_layers, *rest):
         for row in plan.rows:
             if row.outcome.deferred and len(row.outcome.deferred) == num_layers:
-                kept = [row.logical_len - d * row.block_size for d in
-                        range(row.order.dead_after, row.order.dead_before - 1, -1)]  # fmt: skip
+                kept = [row.logical_len - d * row.block_size for d in _candidates(row)]
                 curves = torch.stack([d.curve for d in row.outcome.deferred.values()])
                 seen[row.req_id] = (kept, curves.T.tolist())
         return original(plan, num_layers, *rest)
