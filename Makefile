@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim lint clean-model bench bench-full bench-serve \
+.PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim leaderboard lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
 	lm-eval choose-defaults error-target error-predictor kvpress-parity adakv local-error \
 	head-layout
@@ -103,6 +103,12 @@ lm-eval: setup
 ## obcache_vllm/default.yaml
 choose-defaults: setup
 	$(PY) scripts/choose_defaults.py $(if $(WRITE),--write,)
+
+## A table in kvpress's leaderboard format from the server: RULER at 2,048 tokens with the
+## context compressed without its question, 25/50/75 % removed, each host x scorer, random and
+## StreamingLLM; report in results/leaderboard/LEADERBOARD.md (see docs/evidence/accuracy.md)
+leaderboard: setup
+	$(PY) scripts/leaderboard.py
 
 ## Budgets by error target, measured: calibration of the estimate against the fidelity to the
 ## full cache, and each target against fixed budgets at the same memory and the same fidelity;
