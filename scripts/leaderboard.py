@@ -101,7 +101,8 @@ def render(results: dict, source: str) -> str:
         "|---|" + "---|" * len(removed),
     ]
     if full:
-        lines.append(f"| full cache | {full['score']:.1f} (every column) |" + " |" * (len(removed) - 1))
+        pad = " |" * (len(removed) - 1)
+        lines.append(f"| full cache | {full['score']:.1f} (every column) |" + pad)
     for name, cells in rows.items():
         if name == "full cache":
             continue
@@ -121,10 +122,17 @@ def render(results: dict, source: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scorers", default="attn,obcache_key,dropkv")
-    p.add_argument("--tasks", default="niah_single_1,ruler_fwe",
-                   help="RULER tasks whose full-cache score is above chance at the length")
-    p.add_argument("--length", type=int, default=2048,
-                   help="prompt length (the default model's full cache loses RULER above 2K)")
+    p.add_argument(
+        "--tasks",
+        default="niah_single_1,ruler_fwe",
+        help="RULER tasks whose full-cache score is above chance at the length",
+    )
+    p.add_argument(
+        "--length",
+        type=int,
+        default=2048,
+        help="prompt length (the default model's full cache loses RULER above 2K)",
+    )
     p.add_argument("--limit", type=int, default=12, help="documents per task")
     p.add_argument("--tail", type=int, default=96, help="tokens kept whole at the prompt's end")
     p.add_argument("--serve-args", default="")
