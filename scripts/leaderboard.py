@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         default=2048,
         help="prompt length (the default model's full cache loses RULER above 2K)",
     )
-    p.add_argument("--limit", type=int, default=12, help="documents per task")
+    p.add_argument("--limit", type=int, default=10, help="documents per task")
     p.add_argument("--tail", type=int, default=96, help="tokens kept whole at the prompt's end")
     p.add_argument("--serve-args", default="")
     p.add_argument("--out", type=Path, default=Path("results/leaderboard"))
