@@ -95,7 +95,9 @@ def _merge(records: list[dict], seconds: float) -> dict:
         **total,
         "seconds": round(seconds, 1),
         "minutes": round(seconds / 60, 1),
-        "lanes": [{"tests": r.get("tests"), "seconds": r.get("seconds")} for r in records],
+        # each lane's files, longest first: where a slow suite's time went
+        "lanes": [{"tests": r.get("tests"), "seconds": r.get("seconds"),
+                   "files": r.get("files", {})} for r in records],  # fmt: skip
         # per-tier sums of test durations in both lanes (they overlap in time)
         "tiers": tiers,
     }
@@ -156,6 +158,9 @@ def main(argv: list[str]) -> int:
         print(f"suite: {merged['tests']} tests, {merged['passed']} passed, {merged['failed']} "
               f"failed, {merged['skipped']} skipped, {merged['seconds']:.0f} s "
               f"({merged['minutes']} min) of pytest on {merged['cpu']}")  # fmt: skip
+        for i, lane in enumerate(merged["lanes"]):
+            top = ", ".join(f"{Path(f).name} {s:.0f}" for f, s in list(lane["files"].items())[:8])
+            print(f"lane {i}: {lane['seconds']:.0f} s; longest files (s): {top}")
         if collected and merged["tests"] != collected[0]:
             # a lane that died would leave files unclaimed: their tests ran nowhere
             print(f"lanes: {merged['tests']} tests ran, {collected[0]} were selected: FAILED")

@@ -274,6 +274,7 @@ if _lane() is not None:  # one of two lanes: scripts/test_lanes.py merges their 
     SUITE_RECORD = SUITE_RECORD.with_name(f"lane-{_lane()}.json")
 _started = time.monotonic()  # a duration: immune to the wall clock being set
 _tiers: dict[str, dict[str, float]] = {}
+_files: dict[str, float] = {}  # seconds per test file: where the suite's time goes
 _outcomes: dict[str, int] = {}
 
 
@@ -290,6 +291,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     tier = _tiers.setdefault(report.nodeid.split("/")[1] if "/" in report.nodeid else "other",
                              {"tests": 0, "seconds": 0.0})  # fmt: skip
     tier["seconds"] += report.duration  # setup and teardown too: a shared engine starts there
+    path = report.nodeid.split("::")[0]
+    _files[path] = _files.get(path, 0.0) + report.duration
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         tier["tests"] += 1
         _outcomes[report.outcome] = _outcomes.get(report.outcome, 0) + 1
@@ -317,6 +320,8 @@ def _suite_record(exitstatus: int) -> dict:
         "minutes": round(seconds / 60, 1),
         "tiers": {k: {"tests": v["tests"], "seconds": round(v["seconds"], 1)}
                   for k, v in sorted(_tiers.items())},  # fmt: skip
+        # Longest first; a module fixture's start-up counts against the file's first test.
+        "files": {k: round(v, 1) for k, v in sorted(_files.items(), key=lambda kv: -kv[1])},
     }
 
 
