@@ -19,7 +19,8 @@ OBCache key score this project ships; ``dropkv``, the closest published rival), 
     make leaderboard      # .venv/bin/python scripts/leaderboard.py
 
 Writes OUT/arms.json, lm_eval_grid's own OUT/lm_eval.{json,md} (every arm per task with
-intervals and the paired difference to the full cache) and OUT/LEADERBOARD.md (the table).
+intervals and the paired difference to the full cache), OUT/LEADERBOARD.md (the table) and
+OUT/leaderboard.json (its cells: ``table[row][removed]``).
 ``--report-only`` re-renders LEADERBOARD.md from OUT/lm_eval.json.
 """
 
@@ -153,6 +154,8 @@ def main(argv=None) -> int:
         subprocess.run(cmd, check=True)
     results = json.loads((args.out / "lm_eval.json").read_text())
     (args.out / "LEADERBOARD.md").write_text(render(results, source))
+    cells = {row: {f"{r:g}": c for r, c in per.items()} for row, per in table(results).items()}
+    (args.out / "leaderboard.json").write_text(json.dumps({"table": cells}, indent=1) + "\n")
     print((args.out / "LEADERBOARD.md").read_text())
     return 0
 
