@@ -79,6 +79,16 @@ def table(results: dict) -> dict[str, dict[float, dict]]:
     return out
 
 
+def _cell(c: dict | None) -> str:
+    """A row's score at one ratio, with its paired difference to the full cache and the kept
+    fraction the server reported; empty where the arm was not run."""
+    if c is None:
+        return ""
+    kept = "" if c["kept"] is None else f", kept {c['kept']:.2f}"
+    diff = f" (Δ {c['diff']:+.1f}{kept})" if "diff" in c else ""
+    return f"{c['score']:.1f}{diff}"
+
+
 def render(results: dict, source: str) -> str:
     rows = table(results)
     removed = sorted({r for cells in rows.values() for r in cells if r > 0})
@@ -107,15 +117,7 @@ def render(results: dict, source: str) -> str:
     for name, cells in rows.items():
         if name == "full cache":
             continue
-        text = []
-        for r in removed:
-            c = cells.get(r)
-            if c is None:
-                text.append("")
-                continue
-            kept = "" if c["kept"] is None else f", kept {c['kept']:.2f}"
-            diff = f" (Δ {c['diff']:+.1f}{kept})" if "diff" in c else ""
-            text.append(f"{c['score']:.1f}{diff}")
+        text = [_cell(cells.get(r)) for r in removed]
         lines.append(f"| {name} | " + " | ".join(text) + " |")
     return "\n".join(lines) + "\n"
 
