@@ -103,6 +103,16 @@ def _merge(records: list[dict], seconds: float) -> dict:
     }
 
 
+def longest_files(merged: dict, count: int = 8) -> list[str]:
+    """A line per lane: its seconds and its ``count`` longest test files (seconds each)."""
+    lines = []
+    for i, lane in enumerate(merged["lanes"]):
+        top = list(lane.get("files", {}).items())[:count]
+        text = ", ".join(f"{Path(f).name} {s:.0f}" for f, s in top)
+        lines.append(f"lane {i}: {lane['seconds']:.0f} s; longest files (s): {text}")
+    return lines
+
+
 def _selected(line: str) -> int:
     """The tests a lane will choose from: pytest's "collected N items[ / D deselected / S
     selected]" line."""
@@ -158,9 +168,8 @@ def main(argv: list[str]) -> int:
         print(f"suite: {merged['tests']} tests, {merged['passed']} passed, {merged['failed']} "
               f"failed, {merged['skipped']} skipped, {merged['seconds']:.0f} s "
               f"({merged['minutes']} min) of pytest on {merged['cpu']}")  # fmt: skip
-        for i, lane in enumerate(merged["lanes"]):
-            top = ", ".join(f"{Path(f).name} {s:.0f}" for f, s in list(lane["files"].items())[:8])
-            print(f"lane {i}: {lane['seconds']:.0f} s; longest files (s): {top}")
+        for line in longest_files(merged):
+            print(line)
         if collected and merged["tests"] != collected[0]:
             # a lane that died would leave files unclaimed: their tests ran nowhere
             print(f"lanes: {merged['tests']} tests ran, {collected[0]} were selected: FAILED")

@@ -158,3 +158,28 @@ def test_a_whole_run_past_its_time_limit_fails_and_says_so(monkeypatch, capsys):
     assert script.over_limit(99 * 60, 2, []) is None
     monkeypatch.setenv("OBCACHE_SUITE_LIMIT_MINUTES", "1")
     assert script.over_limit(61, 2, []) is not None
+
+
+def test_the_merged_record_keeps_each_lanes_files_and_names_the_longest():
+    """Each lane's record lists its files' seconds, longest first (tests/conftest.py); the
+    merged record keeps them per lane and the run prints each lane's longest."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lanes_script", REPO / "scripts/test_lanes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    records = [
+        {"commit": "c", "cpu": "x", "exit_status": 0, "tests": 2, "passed": 2, "seconds": 90.0,
+         "tiers": {"engine": {"tests": 2, "seconds": 80.0}},
+         "files": {"tests/engine/test_a.py": 60.0, "tests/engine/test_b.py": 20.0}},
+        {"commit": "c", "cpu": "x", "exit_status": 0, "tests": 1, "passed": 1, "seconds": 30.0,
+         "tiers": {"unit": {"tests": 1, "seconds": 25.0}},
+         "files": {"tests/unit/test_c.py": 25.0}},
+    ]  # fmt: skip
+    merged = script._merge(records, 95.0)
+    assert merged["lanes"][0]["files"] == records[0]["files"]
+    assert merged["tests"] == 3 and merged["tiers"]["engine"]["seconds"] == 80.0
+    assert script.longest_files(merged, count=1) == [
+        "lane 0: 90 s; longest files (s): test_a.py 60",
+        "lane 1: 30 s; longest files (s): test_c.py 25",
+    ]
