@@ -5,7 +5,8 @@ question: the HF reference (no vLLM) on the leaderboard's own prompts, one selec
     .venv/bin/python scripts/agnostic_needle_check.py --docs 0,2
 
 Reads the prompts of ``niah_single_1`` from ``results/leaderboard/raw`` (any arm: lm-eval
-logs every prompt), compresses each 96 tokens before its end (``kv_compress_at: -96``, as the
+logs every prompt; its samples files are not committed, ``make leaderboard`` writes them),
+compresses each 96 tokens before its end (``kv_compress_at: -96``, as the
 leaderboard does) with each selection below at ``--budget`` of the compressed part, and prints
 the reference's continuation beside the needle, and beside what vLLM answered in the
 leaderboard's snapkv arm (the same prompt and selection: the two agree where the engine is
