@@ -122,6 +122,71 @@ def render(results: dict, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _floor_names() -> set[str]:
+    return {n for n in leaderboard_arms(["attn"]) if n.split("/")[0] in ("streaming",)
+            or "/random/" in n}  # fmt: skip
+
+
+def _parts(out: Path) -> list[Path]:
+    return sorted(p for p in out.glob("part-*") if p.is_dir())
+
+
+def _raw_dirs(out: Path, arm: str) -> list[Path]:
+    """Where an arm's lm-eval output may lie: the first run's ``raw``, then each part's."""
+    safe = arm.replace("/", "_")
+    return [d / "raw" / safe for d in (out, *_parts(out)) if (d / "raw" / safe).is_dir()]
+
+
+def finished(out: Path, arms: dict, tasks: list[str], length: int) -> set[str]:
+    """The arms (and ``full``) whose lm-eval samples of every task lie under ``out``."""
+    done = set()
+    for name in ("full", *arms):
+        for raw in _raw_dirs(out, name):
+            files = list((raw / str(length)).rglob("samples_*.jsonl"))
+            if all(any(f.name.startswith(f"samples_{t}_") for f in files) for t in tasks):
+                done.add(name)
+    return done
+
+
+def merge(out: Path, arms: dict, length: int) -> None:
+    """OUT/lm_eval.json (and .md) from every arm's samples under ``out``: the first run's and
+    each part's; an arm's kept fraction and command come from the part that ran it (an
+    interrupted first run recorded none)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import lm_eval_grid as grid
+
+    parts = [json.loads((p / "lm_eval.json").read_text()) for p in _parts(out)
+             if (p / "lm_eval.json").is_file()]  # fmt: skip
+    runs = {}
+    for name in ("full", *arms):
+        scores = {}
+        for raw in _raw_dirs(out, name):
+            for task, per in grid.read_samples(raw / str(length), [length]).items():
+                scores.setdefault(task, {}).update(per)
+        if not scores:
+            continue
+        ran = next((p["runs"][name] for p in reversed(parts) if name in p["runs"]), {})
+        runs[name] = {"fields": arms.get(name, {"kv_budget": None}), "scores": scores,
+                      "command": ran.get("command"), "seconds": ran.get("seconds"),
+                      "kept_ratio": ran.get("kept_ratio")}  # fmt: skip
+    last = parts[-1]
+    results = {
+        "command": "python scripts/leaderboard.py --resume (an interrupted run, then "
+                   + ", ".join(p["command"] for p in parts) + ")",
+        "date": last["date"], "machine": last["machine"], "model": last["model"],
+        "lm_eval_version": last["lm_eval_version"],
+        "seconds": sum(p["seconds"] for p in parts),
+        "arms": list(runs), "runs": runs,
+        "interrupted": [n for n, r in runs.items() if r["command"] is None],
+    }  # fmt: skip
+    results["rows"] = grid.summarize(runs)
+    results["versus"] = grid.versus(runs)
+    for run in runs.values():  # JSON keys are strings
+        run["scores"] = {t: {str(n): d for n, d in per.items()} for t, per in run["scores"].items()}
+    (out / "lm_eval.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "lm_eval.md").write_text(grid.render(results))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scorers", default="attn,obcache_key,dropkv")
@@ -141,19 +206,32 @@ def main(argv=None) -> int:
     p.add_argument("--serve-args", default="")
     p.add_argument("--out", type=Path, default=Path("results/leaderboard"))
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the arms whose samples OUT already holds (an interrupted run's); "
+                        "run the rest (the floors first) into OUT/part-N and merge")
     args = p.parse_args(argv)
     source = str(args.out)
+    arms = leaderboard_arms([s for s in args.scorers.split(",") if s], tail=args.tail)
     if not args.report_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        arms = leaderboard_arms([s for s in args.scorers.split(",") if s], tail=args.tail)
-        (args.out / "arms.json").write_text(json.dumps(arms, indent=1) + "\n")
+        tasks = args.tasks.split(",")
+        done = finished(args.out, arms, tasks, args.length) if args.resume else set()
+        todo = {n: f for n, f in arms.items() if n not in done}
+        todo = dict(sorted(todo.items(), key=lambda kv: kv[0] not in _floor_names()))
+        part = args.out if not args.resume else args.out / f"part-{len(_parts(args.out)) + 1}"
+        part.mkdir(parents=True, exist_ok=True)
+        (part / "arms.json").write_text(json.dumps(todo, indent=1) + "\n")
         cmd = [sys.executable, str(ROOT / "scripts" / "lm_eval_grid.py"),
-               "--arms", str(args.out / "arms.json"), "--tasks", args.tasks,
+               "--arms", str(part / "arms.json"), "--tasks", args.tasks,
                "--lengths", str(args.length), "--limit", str(args.limit),
-               "--max-gen-toks", "48", "--out", source]  # fmt: skip
+               "--max-gen-toks", "48", "--out", str(part)]  # fmt: skip
+        if "full" in done:
+            cmd.append("--no-full")
         if args.serve_args:
             cmd += ["--serve-args", args.serve_args]
         subprocess.run(cmd, check=True)
+        if args.resume:
+            merge(args.out, arms, args.length)
     results = json.loads((args.out / "lm_eval.json").read_text())
     (args.out / "LEADERBOARD.md").write_text(render(results, source))
     cells = {row: {f"{r:g}": c for r, c in per.items()} for row, per in table(results).items()}
