@@ -171,10 +171,10 @@ def test_the_merged_record_keeps_each_lanes_files_and_names_the_longest():
     records = [
         {"commit": "c", "cpu": "x", "exit_status": 0, "tests": 2, "passed": 2, "seconds": 90.0,
          "tiers": {"engine": {"tests": 2, "seconds": 80.0}},
-         "files": {"tests/engine/test_a.py": 60.0, "tests/engine/test_b.py": 20.0}},
+         "files": {"stand-in/test_a.py": 60.0, "stand-in/test_b.py": 20.0}},
         {"commit": "c", "cpu": "x", "exit_status": 0, "tests": 1, "passed": 1, "seconds": 30.0,
          "tiers": {"unit": {"tests": 1, "seconds": 25.0}},
-         "files": {"tests/unit/test_c.py": 25.0}},
+         "files": {"stand-in/test_c.py": 25.0}},
     ]  # fmt: skip
     merged = script._merge(records, 95.0)
     assert merged["lanes"][0]["files"] == records[0]["files"]
