@@ -89,6 +89,14 @@ def _cell(c: dict | None) -> str:
     return f"{c['score']:.1f}{diff}"
 
 
+def _minutes(results: dict) -> str:
+    interrupted = results.get("interrupted")
+    if interrupted:  # a resumed run: the parts that were cut off recorded no time
+        return (f"resumed ({len(interrupted)} arms from runs that were cut off, whose time "
+                "and kept fractions were not recorded)")
+    return f"{results['seconds'] / 60:.0f} min"
+
+
 def render(results: dict, source: str) -> str:
     rows = table(results)
     removed = sorted({r for cells in rows.values() for r in cells if r > 0})
@@ -97,7 +105,7 @@ def render(results: dict, source: str) -> str:
     lines = [
         f"RULER through `obcache-vllm serve` ({results['model']}, lm-evaluation-harness "
         f"{results['lm_eval_version']}), {results['date']}, {results['machine']}, "
-        f"{results['seconds'] / 60:.0f} min. Tasks: {', '.join(tasks)}; "
+        f"{_minutes(results)}. Tasks: {', '.join(tasks)}; "
         f"{full['n'] // max(1, len(tasks)) if full else '?'} documents each, the same for every "
         "arm. The context is compressed without its question (kvpress's leaderboard setting).",
         "",
@@ -171,8 +179,8 @@ def merge(out: Path, arms: dict, length: int) -> None:
                       "kept_ratio": ran.get("kept_ratio")}  # fmt: skip
     last = parts[-1]
     results = {
-        "command": "python scripts/leaderboard.py --resume (an interrupted run, then "
-                   + ", ".join(p["command"] for p in parts) + ")",
+        "command": "python scripts/leaderboard.py --resume, after runs that were cut off; "
+                   "the parts that finished: " + "; ".join(p["command"] for p in parts),
         "date": last["date"], "machine": last["machine"], "model": last["model"],
         "lm_eval_version": last["lm_eval_version"],
         "seconds": sum(p["seconds"] for p in parts),
