@@ -55,6 +55,7 @@ from obcache_vllm.evidence.eval.report import interval  # noqa: E402
 OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe",
                  "ruler_fwe")  # fmt: skip
 KEPT_RATIO = M.KEPT_RATIO.exposed
+REQUEST_TIMEOUT_S = 3600
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,10 @@ def lm_eval_command(lm_eval: str, url: str, model: str, tokenizer: str, arm: Arm
         f"model={model}", f"base_url={url}/v1/completions", f"tokenizer={tokenizer}",
         f"num_concurrent={concurrent}", "max_length=8192", "tokenized_requests=False",
         "max_retries=1",
+        # lm-eval's own default is 300 s a request; a request waits behind the others in
+        # flight, and an arm that scores every prompt query (h2o with DropKV at 2,048 tokens,
+        # 16 in flight on one core) took longer than that
+        f"timeout={REQUEST_TIMEOUT_S}",
     ])  # fmt: skip
     return [
         lm_eval, "--model", "local-completions", "--model_args", model_args,

@@ -38,6 +38,8 @@ def test_the_command_carries_the_arm_as_gen_kwargs():
     assert json.loads(cmd[cmd.index("--gen_kwargs") + 1]) == arm.fields
     assert json.loads(cmd[cmd.index("--metadata") + 1]) == {"max_seq_lengths": [1024]}
     assert "base_url=http://h:1/v1/completions" in cmd[cmd.index("--model_args") + 1]
+    # a slow arm's requests wait behind each other: lm-eval's 300-s default timed one out
+    assert f"timeout={grid.REQUEST_TIMEOUT_S}" in cmd[cmd.index("--model_args") + 1]
 
 
 def _samples(path: Path, task: str, scores: dict[int, float], length: int = 1024) -> None:
