@@ -130,9 +130,9 @@ def render(results: dict, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _floor_names() -> set[str]:
-    return {n for n in leaderboard_arms(["attn"]) if n.split("/")[0] in ("streaming",)
-            or "/random/" in n}  # fmt: skip
+def _is_floor(arm: str) -> bool:
+    """An arm of a FLOORS row (``snapkv/random/0.5``, ``streaming/0.5``)."""
+    return arm.rpartition("/")[0] in FLOORS
 
 
 def _parts(out: Path) -> list[Path]:
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
         tasks = args.tasks.split(",")
         done = finished(args.out, arms, tasks, args.length) if args.resume else set()
         todo = {n: f for n, f in arms.items() if n not in done}
-        todo = dict(sorted(todo.items(), key=lambda kv: kv[0] not in _floor_names()))
+        todo = dict(sorted(todo.items(), key=lambda kv: not _is_floor(kv[0])))
         part = args.out if not args.resume else args.out / f"part-{len(_parts(args.out)) + 1}"
         part.mkdir(parents=True, exist_ok=True)
         (part / "arms.json").write_text(json.dumps(todo, indent=1) + "\n")
