@@ -14,8 +14,11 @@ arm). Writes ``OUT/lm_eval.json`` and ``OUT/lm_eval.md`` (lm_eval_grid's), ``OUT
 and ``OUT/DECISION.md``; each traffic kind of the rule (``traffic:``) gets its own evidence in
 ``OUT/KIND/`` and its own winner, a section of the report (the query-aware winner is the one
 shipped); with ``--write``, the winner's fields replace the block between the
-markers in ``obcache_vllm/default.yaml`` (``tests/unit/test_choose_defaults.py`` checks that
-the shipped file holds the recorded winner).
+markers in ``obcache_vllm/default.yaml``, and the winner of the kind marked ``ships:
+query_agnostic`` replaces the ``query_agnostic`` block there (what the server applies to a
+request that sets ``kv_compress_at`` to a position and no selection field;
+``tests/unit/test_choose_defaults.py`` checks that the shipped file holds the recorded
+winners).
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ SHIPPED = ROOT / "obcache_vllm" / "default.yaml"
 BEGIN = "# -- chosen by scripts/choose_defaults.py (configs/choose_defaults.yaml): do not edit"
 END = "# -- end of the chosen block"
 SELECTION = ("kv_scorer", "kv_pipeline", "kv_window", "kv_per_head")
+# The block a traffic kind marked ``ships: query_agnostic`` writes (config.QUERY_AGNOSTIC_KEY).
+AGNOSTIC_BEGIN = ("# -- chosen for query-agnostic requests by scripts/choose_defaults.py "
+                  "(configs/choose_defaults.yaml): do not edit")  # fmt: skip
+AGNOSTIC_END = "# -- end of the query-agnostic block"
+AGNOSTIC_KEY = "query_agnostic"
 
 
 def load_rule(path: Path = RULE) -> dict:
@@ -149,12 +157,51 @@ def shipped_block(fields: dict, winner: str) -> str:
     return "\n".join(lines + [END])
 
 
-def write_shipped(fields: dict, winner: str, path: Path = SHIPPED) -> None:
-    text = path.read_text()
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+def agnostic_block(fields: dict, winner: str, kind: str) -> str:
+    """The ``query_agnostic`` block of ``default.yaml`` (between its markers): one YAML
+    mapping of the selection fields (JSON is YAML)."""
+    mapping = ", ".join(f"{json.dumps(k)}: {json.dumps(fields[k])}" for k in SELECTION
+                        if k in fields)  # fmt: skip
+    return "\n".join([AGNOSTIC_BEGIN,
+                      f"# winner: {winner} (results/choose-defaults/DECISION.md, {kind})",
+                      f"{AGNOSTIC_KEY}: {{{mapping}}}", AGNOSTIC_END])  # fmt: skip
+
+
+def _replace_block(text: str, begin: str, end: str, block: str, path: Path) -> str:
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"{path}: no block between the markers {BEGIN!r} and {END!r}")
-    path.write_text(pattern.sub(lambda _: shipped_block(fields, winner), text))
+        raise SystemExit(f"{path}: no block between the markers {begin!r} and {end!r}")
+    return pattern.sub(lambda _: block, text)
+
+
+def write_shipped(fields: dict, winner: str, path: Path = SHIPPED) -> None:
+    path.write_text(_replace_block(path.read_text(), BEGIN, END, shipped_block(fields, winner),
+                                   path))  # fmt: skip
+
+
+def write_agnostic(fields: dict, winner: str, kind: str, path: Path = SHIPPED) -> None:
+    block = agnostic_block(fields, winner, kind)
+    path.write_text(_replace_block(path.read_text(), AGNOSTIC_BEGIN, AGNOSTIC_END, block, path))
+
+
+def shipped_agnostic(path: Path = SHIPPED) -> str | None:
+    """The winner named in ``default.yaml``'s query-agnostic block, or None (no block, or
+    one that ships nothing)."""
+    text = path.read_text()
+    start = text.find(AGNOSTIC_BEGIN)
+    if start < 0:
+        return None
+    match = re.search(r"^# winner: (\S+) ", text[start:text.find(AGNOSTIC_END, start)], re.M)
+    return match.group(1) if match else None
+
+
+def shipping_kind(rule: dict) -> str | None:
+    """The traffic kind whose winner is shipped as the ``query_agnostic`` block (at most one)."""
+    kinds = [k for k, spec in (rule.get("traffic") or {}).items()
+             if spec.get("ships") == AGNOSTIC_KEY]  # fmt: skip
+    if len(kinds) > 1:
+        raise SystemExit(f"rule: more than one traffic kind ships {AGNOSTIC_KEY}: {kinds}")
+    return kinds[0] if kinds else None
 
 
 def _shown(path: Path) -> str:
@@ -181,11 +228,17 @@ def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str) ->
     return out / "lm_eval.json"
 
 
-def traffic_rule(rule: dict, kind: str, shipped: str | None) -> dict:
-    """The rule for one traffic kind: the same, with the shipped winner as its current; a kind
+def traffic_rule(rule: dict, kind: str, shipped: str | None,
+                 agnostic: str | None = None) -> dict:  # fmt: skip
+    """The rule for one traffic kind: the same, with what the server applies to that traffic
+    as its current (the shipped query-aware winner; for the kind that ships the
+    ``query_agnostic`` block, that block's winner ``agnostic`` where one is shipped); a kind
     may set its own ``lengths``, ``limit`` and ``budget``, and add ``candidates``."""
     spec = rule["traffic"][kind]
-    kind_rule = {**rule, "current": shipped or rule["current"]}
+    current = shipped or rule["current"]
+    if spec.get("ships") == AGNOSTIC_KEY and agnostic:
+        current = agnostic
+    kind_rule = {**rule, "current": current}
     kind_rule.update({k: spec[k] for k in ("lengths", "limit", "budget") if k in spec})
     kind_rule["candidates"] = {**rule["candidates"], **spec.get("candidates", {})}
     return kind_rule
@@ -198,7 +251,13 @@ def render_traffic(kind: str, decision: dict, rule: dict, results: dict) -> str:
         "the question in the prompt. Reproduce: `make choose-defaults`.",
         f"the prompt compressed before its question: every candidate also sends {fields}. "
         "Reproduce: `make choose-defaults`.")
-    text = text.replace("Shipped as: ", f"Recommended for {kind.replace('_', '-')} traffic: ")
+    if rule["traffic"][kind].get("ships") == AGNOSTIC_KEY:
+        text = text.replace("Shipped as: ", "Shipped for requests that set `kv_compress_at` to a "
+                            "position and no selection field (default.yaml's "
+                            f"`{AGNOSTIC_KEY}`): ")  # fmt: skip
+    else:
+        text = text.replace("Shipped as: ",
+                            f"Recommended for {kind.replace('_', '-')} traffic: ")  # fmt: skip
     return f"### {kind.replace('_', '-').capitalize()} traffic\n\n" + text
 
 
@@ -214,6 +273,7 @@ def main(argv=None) -> int:
                    help="apply the rule to an lm_eval.json (its traffic kinds beside it in "
                    "KIND/lm_eval.json), running nothing")
     p.add_argument("--write", action="store_true", help="write the winner into default.yaml")
+    p.add_argument("--shipped", type=Path, default=SHIPPED, help=argparse.SUPPRESS)  # tests
     p.add_argument("--serve-args", default="")
     args = p.parse_args(argv)
     rule = load_rule(args.rule)
@@ -232,8 +292,9 @@ def main(argv=None) -> int:
         else str(args.rule)  # fmt: skip
     report = render(decision, rule, results)
     decision["traffic"] = {}
+    ships = shipping_kind(rule)
     for kind in kinds:
-        kind_rule = traffic_rule(rule, kind, decision["winner"])
+        kind_rule = traffic_rule(rule, kind, decision["winner"], shipped_agnostic(args.shipped))
         if args.report_only is None and kind in only:
             _run_evidence(kind_rule, out / kind, rule["traffic"][kind]["fields"], args.limit,
                           args.serve_args)  # fmt: skip
@@ -247,8 +308,13 @@ def main(argv=None) -> int:
     (out / "DECISION.md").write_text(report)
     print(report)
     if args.write and decision["winner"]:
-        write_shipped(rule["candidates"][decision["winner"]], decision["winner"])
-        print(f"wrote {decision['winner']} into {SHIPPED.relative_to(ROOT)}")
+        write_shipped(rule["candidates"][decision["winner"]], decision["winner"], args.shipped)
+        print(f"wrote {decision['winner']} into {args.shipped}")
+    won = decision["traffic"].get(ships, {}).get("winner") if ships else None
+    if args.write and won:
+        fields = traffic_rule(rule, ships, None)["candidates"][won]
+        write_agnostic(fields, won, ships, args.shipped)
+        print(f"wrote {won} into {args.shipped}'s {AGNOSTIC_KEY} block ({ships})")
     return 0
 
 

@@ -84,6 +84,68 @@ def test_the_shipped_defaults_are_the_recorded_winner():
     assert f"# winner: {name} " in text
 
 
+def test_the_shipped_query_agnostic_block_is_the_recorded_winner_of_the_kind_that_ships_it():
+    """default.yaml's ``query_agnostic`` holds the last recorded winner of the traffic kind
+    marked ``ships: query_agnostic`` (field for field, the block naming it); where that run
+    found no winner the block ships what it shipped before."""
+    rule = choose_defaults.load_rule()
+    kind = choose_defaults.shipping_kind(rule)
+    decision = json.loads((ROOT / "results" / "choose-defaults" / "decision.json").read_text())
+    won = decision["traffic"].get(kind, {}).get("winner") if kind else None
+    shipped = yaml.safe_load((ROOT / "obcache_vllm" / "default.yaml").read_text())
+    if won is None:  # the block stays as it was: nothing, or one of the candidates
+        kept = shipped[choose_defaults.AGNOSTIC_KEY]
+        assert kept is None or kept in rule["candidates"].values(), kept
+        return
+    fields = choose_defaults.traffic_rule(rule, kind, None)["candidates"][won]
+    assert shipped[choose_defaults.AGNOSTIC_KEY] == fields
+    assert choose_defaults.shipped_agnostic() == won
+
+
+def test_the_kind_that_ships_is_judged_against_what_the_server_applies_and_written(tmp_path):
+    """A kind marked ``ships: query_agnostic``: its current is the shipped block's winner (or
+    the query-aware winner where none is shipped); --write puts its winner in the block, the
+    query-aware winner in its own, and the report says it is shipped, not recommended."""
+    rule = {**RULE, "budget": 0.1, "traffic": {
+        "agnostic": {"ships": "query_agnostic", "fields": {"kv_compress_at": -96}},
+        "other": {"fields": {"kv_compress_at": -32}}}}  # fmt: skip
+    rule_path = tmp_path / "rule.yaml"
+    rule_path.write_text(yaml.safe_dump(rule))
+    shipped = tmp_path / "default.yaml"
+    shipped.write_text(f"kv_budget: null\n{choose_defaults.BEGIN}\nkv_scorer: \"x\"\n"
+                       f"{choose_defaults.END}\n{choose_defaults.AGNOSTIC_BEGIN}\n"
+                       f"query_agnostic: null\n{choose_defaults.AGNOSTIC_END}\n")  # fmt: skip
+    assert choose_defaults.shipped_agnostic(shipped) is None
+    _lm_eval_json(tmp_path / "lm_eval.json", full=(1, 1, 1), cur=(0.2, 0.2, 0.2),
+                  good=(0.9, 0.9, 0.9), rival=(0.5, 0.5, 0.5), rand=(0, 0, 0))
+    for kind in ("agnostic", "other"):  # "rival" clearly best for both
+        _lm_eval_json(tmp_path / kind / "lm_eval.json", full=(1, 1, 1), cur=(0.2, 0.2, 0.2),
+                      good=(0.1, 0.1, 0.1), rival=(0.9, 0.9, 0.9), rand=(0, 0, 0))
+    args = ["--rule", str(rule_path), "--report-only", str(tmp_path / "lm_eval.json"),
+            "--shipped", str(shipped)]  # fmt: skip
+    choose_defaults.main(args + ["--write"])
+    decision = json.loads((tmp_path / "decision.json").read_text())
+    assert decision["winner"] == "good"  # query-aware
+    assert decision["traffic"]["agnostic"]["winner"] == "rival"
+    got = yaml.safe_load(shipped.read_text())
+    assert got["kv_pipeline"] == "snapkv" and got["query_agnostic"] == {"kv_scorer": "dropkv"}
+    assert choose_defaults.shipped_agnostic(shipped) == "rival"
+    report = (tmp_path / "DECISION.md").read_text()
+    assert "Shipped for requests that set `kv_compress_at` to a position" in report
+    assert "Recommended for other traffic: `kv_scorer: \"dropkv\"`" in report
+    # Judged again with "rival" shipped: it is now the kind's current setting.
+    kind_rule = choose_defaults.traffic_rule(rule, "agnostic", "good",
+                                             choose_defaults.shipped_agnostic(shipped))
+    assert kind_rule["current"] == "rival"
+    assert choose_defaults.traffic_rule(rule, "other", "good", "rival")["current"] == "good"
+
+
+def test_at_most_one_kind_ships_the_query_agnostic_block():
+    rule = {"traffic": {k: {"ships": "query_agnostic", "fields": {}} for k in ("a", "b")}}
+    with pytest.raises(SystemExit, match="more than one"):
+        choose_defaults.shipping_kind(rule)
+
+
 def _lm_eval_json(path: Path, **accuracy) -> None:
     """An lm_eval_grid result file holding ``scores(**accuracy)``."""
     runs = {arm: {"scores": {}} for arm in accuracy}
