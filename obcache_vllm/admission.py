@@ -210,6 +210,10 @@ def platform_refusal(vllm_config, capabilities: Capabilities) -> str | None:
 
 MIN_PROMPT_KEY = "min_prompt_tokens"  # the policy's key: the default budget's smallest prompt
 COMPRESS_AT_KEY = "compress_at"  # the policy's key: where the default budget compresses
+# The policy's key: the selection a query-agnostic request gets (see merge_fields).
+QUERY_AGNOSTIC_KEY = "query_agnostic"
+# The fields that make one selection: measured (and so defaulted per traffic) as a whole.
+SELECTION_FIELDS = ("kv_scorer", "kv_pipeline", "kv_window", "kv_per_head")
 
 
 @dataclass(frozen=True)
@@ -220,33 +224,58 @@ class Policy:
     ``defaults``: every request field's default (``None``: no default). ``min_prompt_tokens``:
     the default budget applies to prompts of at least this many tokens. ``compress_at``:
     where the default budget compresses (``"auto"``: the prefix the prompt shares with recent
-    prompts; None: the whole prompt).
+    prompts; None: the whole prompt). ``query_agnostic``: the selection (some of
+    :data:`SELECTION_FIELDS`) a query-agnostic request gets instead of the defaults' (see
+    :func:`merge_fields`); None: the defaults' for every request.
     """
 
     defaults: dict[str, Any]
     min_prompt_tokens: int = 0
     compress_at: str | None = AUTO
+    query_agnostic: dict[str, Any] | None = None
 
     def document(self) -> dict[str, Any]:
         return {
             "defaults": dict(self.defaults),
             MIN_PROMPT_KEY: self.min_prompt_tokens,
             COMPRESS_AT_KEY: self.compress_at,
+            QUERY_AGNOSTIC_KEY: None if self.query_agnostic is None else dict(self.query_agnostic),
         }
 
 
-def merge_fields(defaults: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[str, Any]:
+def is_query_agnostic(requested: Mapping[str, Any]) -> bool:
+    """Whether a request's own fields say its prompt is compressed before its question: a
+    ``kv_compress_at`` at a position (an integer; ``"auto"`` decides later, from what the
+    server has seen, and compresses a prompt it has not seen nearly whole)."""
+    point = requested.get("kv_compress_at")
+    return isinstance(point, int) and not isinstance(point, bool)
+
+
+def merge_fields(
+    defaults: Mapping[str, Any],
+    requested: Mapping[str, Any],
+    query_agnostic: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The kv_* options of one request: its own fields over the server defaults.
 
     ``requested`` holds the request's kv_* fields (``vllm_xargs`` and top-level, already merged).
     A request whose budget (its own, else the default) is ``None`` gets no defaults: it stays a
     stock request, and any other kv_* field it set is reported by validation as needing a
     budget. ``"kv_budget": null`` in a request therefore opts out of a default budget.
+
+    ``query_agnostic`` (the policy's): the selection a request gets in place of the defaults'
+    when it is query-agnostic (:func:`is_query_agnostic`) and names none of
+    :data:`SELECTION_FIELDS`. A selection was measured whole (``make choose-defaults``'s
+    query-agnostic traffic, where the query-aware winner kept fewer needles than ``random``),
+    so a request that names part of one gets the ordinary defaults for the rest.
     """
     budget = requested["kv_budget"] if "kv_budget" in requested else defaults.get("kv_budget")
     if budget is None:
         return {k: v for k, v in requested.items() if k != "kv_budget"}
     merged = {k: v for k, v in defaults.items() if v is not None}
+    if (query_agnostic and is_query_agnostic(requested)
+            and not any(f in requested for f in SELECTION_FIELDS)):  # fmt: skip
+        merged.update(query_agnostic)
     merged.update(requested)
     merged["kv_budget"] = budget
     return merged
@@ -257,7 +286,7 @@ def policy_fields(policy: Policy, requested: Mapping[str, Any]) -> dict[str, Any
     policy's compress point where its budget applies and the options allow one: not for an
     error target, which compresses the whole prompt, nor with a session, prefill chunks or
     pressure)."""
-    merged = merge_fields(policy.defaults, requested)
+    merged = merge_fields(policy.defaults, requested, policy.query_agnostic)
     if (
         policy.compress_at is not None
         and "kv_budget" not in requested

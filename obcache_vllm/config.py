@@ -39,16 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from obcache_vllm import admission, options, settings
-from obcache_vllm.admission import COMPRESS_AT_KEY, MIN_PROMPT_KEY, Policy
+from obcache_vllm.admission import COMPRESS_AT_KEY, MIN_PROMPT_KEY, QUERY_AGNOSTIC_KEY, Policy
 
 CONFIG_ENV = settings.CONFIG
 ENV_PREFIX = settings.KV_PREFIX
 MIN_PROMPT_ENV = settings.MIN_PROMPT_TOKENS
 COMPRESS_AT_ENV = settings.POLICY_COMPRESS_AT
+QUERY_AGNOSTIC_ENV = settings.POLICY_QUERY_AGNOSTIC
 # The policy's own keys (beside the kv_* defaults): YAML key -> (environment variable, default).
 POLICY_KEYS: dict[str, tuple[str, Any]] = {
     MIN_PROMPT_KEY: (MIN_PROMPT_ENV, 0),
     COMPRESS_AT_KEY: (COMPRESS_AT_ENV, options.AUTO),
+    QUERY_AGNOSTIC_KEY: (QUERY_AGNOSTIC_ENV, None),
 }
 PACKAGED_CONFIG = Path(__file__).resolve().parent / "default.yaml"
 
@@ -122,6 +124,31 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
         admission.parse_kv_options(probe, num_prompt_tokens=1 << 20)
     except options.KvOptionsError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
+    _validate_query_agnostic(defaults.get(QUERY_AGNOSTIC_KEY), probe, source)
+
+
+def _validate_query_agnostic(selection: Any, probe: dict[str, Any], source: str) -> None:
+    """The policy's ``query_agnostic`` selection: null, or a mapping of selection fields that,
+    over the other defaults, a query-agnostic request could be served with."""
+    if selection is None:
+        return
+    key = QUERY_AGNOSTIC_KEY
+    if not isinstance(selection, dict) or not selection:
+        raise ConfigError(f"{source}: {key} must be a mapping of "
+                          f"{', '.join(admission.SELECTION_FIELDS)}, or null; got {selection!r}")
+    unknown = sorted(set(selection) - set(admission.SELECTION_FIELDS))
+    if unknown:
+        raise ConfigError(f"{source}: {key}: {unknown[0]!r} is not a selection field; known: "
+                          f"{', '.join(admission.SELECTION_FIELDS)}")  # fmt: skip
+    # What a compress point is refused with whatever the selection (pressure, prefill chunks,
+    # sessions, a KL target) is not the selection's fault: a stand-in budget, without them.
+    others = {k: v for k, v in probe.items()
+              if k not in ("kv_budget", "kv_when", "kv_prefill_evict", "kv_session")}  # fmt: skip
+    try:
+        admission.parse_kv_options({**others, **selection, "kv_budget": 1 << 20,
+                                    "kv_compress_at": 1 << 19}, num_prompt_tokens=1 << 20)
+    except options.KvOptionsError as exc:
+        raise ConfigError(f"{source}: {key}: {exc}") from exc
 
 
 def load_policy(environ: Mapping[str, str] | None = None) -> Policy:
@@ -131,7 +158,8 @@ def load_policy(environ: Mapping[str, str] | None = None) -> Policy:
     defaults = load_defaults(environ, keep_policy=True)
     threshold = defaults.pop(MIN_PROMPT_KEY, 0)
     point = defaults.pop(COMPRESS_AT_KEY, options.AUTO)
-    return Policy(defaults, threshold, point)
+    agnostic = defaults.pop(QUERY_AGNOSTIC_KEY, None)
+    return Policy(defaults, threshold, point, agnostic)
 
 
 def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = False) -> dict:

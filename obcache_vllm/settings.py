@@ -16,6 +16,7 @@ variable                        read by
 ``OBCACHE_KV_<FIELD>``          a server default of one kv_* field (``OBCACHE_KV_BUDGET``)
 ``OBCACHE_MIN_PROMPT_TOKENS``   the policy's smallest prompt for its default budget
 ``OBCACHE_POLICY_COMPRESS_AT``  where the policy's default budget compresses
+``OBCACHE_POLICY_QUERY_AGNOSTIC`` the selection a query-agnostic request gets (or null)
 ``OBCACHE_ENTRY_POOL_SHARE``    the pool share compressed contexts hold against waiting work
 ``OBCACHE_ENTRY_POOL_SHARE_MAX`` the share they may hold while nothing waits
 ``OBCACHE_ENTRY_VICTIMS``       which held compressed context gives way first
@@ -37,6 +38,7 @@ CONFIG = "OBCACHE_VLLM_CONFIG"
 KV_PREFIX = "OBCACHE_KV_"
 MIN_PROMPT_TOKENS = "OBCACHE_MIN_PROMPT_TOKENS"
 POLICY_COMPRESS_AT = "OBCACHE_POLICY_COMPRESS_AT"
+POLICY_QUERY_AGNOSTIC = "OBCACHE_POLICY_QUERY_AGNOSTIC"
 ENTRY_POOL_SHARE = "OBCACHE_ENTRY_POOL_SHARE"
 ENTRY_POOL_SHARE_MAX = "OBCACHE_ENTRY_POOL_SHARE_MAX"
 ENTRY_VICTIMS = "OBCACHE_ENTRY_VICTIMS"
@@ -46,8 +48,9 @@ RECORD_KEEP = "OBCACHE_VLLM_RECORD_KEEP"
 FAULTS = "OBCACHE_VLLM_FAULTS"
 PLUGIN_TRACE = "OBCACHE_VLLM_PLUGIN_TRACE"
 
-NAMES = (CONFIG, MIN_PROMPT_TOKENS, POLICY_COMPRESS_AT, ENTRY_POOL_SHARE, ENTRY_POOL_SHARE_MAX,
-         ENTRY_VICTIMS, HOME, VERIFY, RECORD_KEEP, FAULTS, PLUGIN_TRACE)  # fmt: skip
+NAMES = (CONFIG, MIN_PROMPT_TOKENS, POLICY_COMPRESS_AT, POLICY_QUERY_AGNOSTIC, ENTRY_POOL_SHARE,
+         ENTRY_POOL_SHARE_MAX, ENTRY_VICTIMS, HOME, VERIFY, RECORD_KEEP, FAULTS,
+         PLUGIN_TRACE)  # fmt: skip
 
 
 def value(name: str, environ: Mapping[str, str] | None = None) -> str | None:

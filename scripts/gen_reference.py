@@ -145,7 +145,8 @@ def render_rest() -> str:
         "active defaults and policy (`config_document()` in "
         "`obcache_vllm/vllm_ext/frontend/server.py`): keys `scorers`, `pipelines`, "
         "`request_fields`, `defaults`, `policy` (`default_budget`, `when`, "
-        f"`{config.MIN_PROMPT_KEY}`, `{config.COMPRESS_AT_KEY}`, `opt_out`), `usage_field`.\n"
+        f"`{config.MIN_PROMPT_KEY}`, `{config.COMPRESS_AT_KEY}`, `{config.QUERY_AGNOSTIC_KEY}`, "
+        "`opt_out`), `usage_field`.\n"
     )
     return "".join(out)
 

@@ -173,6 +173,39 @@ def test_completions_fields_in_vllm_xargs_and_top_level_override(server: Server)
     assert 48 <= kv["prompt_tokens_kept"] < 48 + BLOCK
 
 
+def test_a_query_agnostic_request_gets_the_shipped_selection(server: Server) -> None:
+    """default.yaml's ``query_agnostic`` (the rule's query-agnostic winner): a request with a
+    ``kv_compress_at`` position and no selection field is served with it (the engine reports
+    its pipeline and scorer, and its tokens and kept count are those of the request that names
+    the selection); naming one selection field gives the ordinary defaults for the rest."""
+    from obcache_vllm.config import load_policy
+
+    agnostic = load_policy({}).query_agnostic
+    assert agnostic and agnostic["kv_pipeline"] != "snapkv", agnostic  # what the rule shipped
+    assert server.get_json("/v1/obcache/config")["policy"]["query_agnostic"] == agnostic
+
+    def complete(fields: dict) -> tuple[list[int], dict]:
+        reply = _client(server).completions.create(
+            model=MODEL_NAME, prompt=_long_text(24, seed=31), temperature=0, max_tokens=12,
+            logprobs=1, extra_body=fields,
+        )  # fmt: skip
+        return reply.choices[0].logprobs.tokens, _obcache_usage(reply.usage)
+
+    base = {"kv_budget": 0.3, "kv_compress_at": -24}
+    tokens, kv = complete(base)
+    assert (kv["pipeline"], kv["scorer"]) == (agnostic["kv_pipeline"], agnostic["kv_scorer"])
+    assert kv["evictions"] == 1 and "reused_tokens" not in kv, kv  # compressed here
+    # The same options adopt that compressed context (an entry is keyed by the options too),
+    # or compress the same: either way its tokens and kept count.
+    named_tokens, named = complete({**base, **agnostic})
+    assert tokens == named_tokens
+    assert kv["prompt_tokens_kept"] == named["prompt_tokens_kept"]
+    _, partial = complete({**base, "kv_scorer": "attn"})
+    assert (partial["pipeline"], partial["scorer"]) == ("snapkv", "attn")
+    _, whole = complete({"kv_budget": 0.3})
+    assert whole["pipeline"] == "snapkv" and "compress_at" not in whole
+
+
 def test_an_error_target_chooses_its_budget_and_reports_it(server: Server) -> None:
     """``kv_budget: {"max_error": e}`` (an object at the top level, its scalar form in
     ``vllm_xargs``): the server keeps the fewest whole blocks whose estimate is within e and

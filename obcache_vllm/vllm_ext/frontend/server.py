@@ -83,12 +83,14 @@ def reset_defaults(
     defaults: dict[str, Any] | None = None,
     min_prompt_tokens: int = 0,
     compress_at: str | None = options.AUTO,
+    query_agnostic: dict[str, Any] | None = None,
 ) -> None:
     """Replace the cached policy (tests); ``None`` reloads it on next use."""
     global _policy
     _policy = (
-        None if defaults is None else admission.Policy(defaults, min_prompt_tokens, compress_at)
-    )
+        None if defaults is None
+        else admission.Policy(defaults, min_prompt_tokens, compress_at, query_agnostic)
+    )  # fmt: skip
 
 
 # --- request fields -> SamplingParams.extra_args --------------------------------------------
@@ -355,6 +357,9 @@ def config_document() -> dict[str, Any]:
             "when": server_defaults().get("kv_when"),
             config.MIN_PROMPT_KEY: server_policy().min_prompt_tokens,
             config.COMPRESS_AT_KEY: server_policy().compress_at,
+            # the selection a request with a kv_compress_at position and no selection field
+            # gets (admission.merge_fields)
+            config.QUERY_AGNOSTIC_KEY: server_policy().query_agnostic,
             "opt_out": 'a request with "kv_budget": null is served as stock vLLM',
         },
         "usage_field": f"usage.{USAGE_KEY}",
