@@ -22,6 +22,9 @@ Stages (niah_single / niah_multikey, 512 nominal tokens, ~600 with the chat temp
   multikey     niah_multikey, snapkv selected, attn / obcache_key, 20 % and 50 %, both settings
   kvpress      the reference on the selection stage's kvpress-comparable cells (snapkv w1 and
                w64 per head, tova shared, h2o = ObservedAttention per head, streaming), 20 %
+  floor_rival  the floor (``random``) and the closest rival (kvpress's DropKV score, ``dropkv``)
+               in the scorers and multikey stages' cells (snapkv, the selected window and
+               ranking; niah_single 10/20/30 %, niah_multikey 20/50 %, both settings), n = 12
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ def stages() -> dict[str, list]:
         "multikey": _cells(tasks=["niah_multikey"], settings=both, budgets=[0.2, 0.5],
                            pipelines=["snapkv"], windows=[WINDOW], per_heads=[PER_HEAD],
                            scorers=["attn", "obcache_key"]),
+        "floor_rival": [
+            *_cells(**single, settings=both, budgets=[0.1, 0.2, 0.3], pipelines=["snapkv"],
+                    windows=[WINDOW], per_heads=[PER_HEAD], scorers=["random", "dropkv"]),
+            *_cells(tasks=["niah_multikey"], settings=both, budgets=[0.2, 0.5],
+                    pipelines=["snapkv"], windows=[WINDOW], per_heads=[PER_HEAD],
+                    scorers=["random", "dropkv"]),
+        ],
         "kvpress": _cells(**single, **aware, pipelines=["snapkv", "tova", "h2o", "streaming"],
                           scorers=["attn"], windows=[1, 64], engine="kvpress"),
     }  # fmt: skip
