@@ -147,6 +147,7 @@ adakv-served: setup
 	$(VENV)/bin/obcache-vllm eval run --results-dir results/eval-adakv --tasks niah_single,niah_multikey --lengths 1024 --samples 16 --pipelines snapkv,adakv --scorers attn,obcache_key --budgets 0.1,0.2,0.3 --settings query_aware,query_agnostic --windows 8 --no-full --no-progress
 	$(VENV)/bin/obcache-vllm eval run --results-dir results/eval-adakv --tasks niah_single --lengths 1024 --samples 16 --pipelines snapkv,adakv --scorers attn,obcache_key --budgets 0.2,0.3 --settings query_aware --windows 32 --no-full --no-progress
 	$(VENV)/bin/obcache-vllm eval run --results-dir results/eval-adakv --tasks niah_single,niah_multikey --lengths 1024 --samples 16 --pipelines snapkv --scorers random,dropkv --budgets 0.1,0.2,0.3 --settings query_aware,query_agnostic --no-full --no-progress
+	$(VENV)/bin/obcache-vllm eval run --results-dir results/eval-adakv --tasks niah_single --lengths 1024 --samples 16 --pipelines snapkv --scorers random,dropkv --budgets 0.2,0.3 --settings query_aware --windows 32 --no-full --no-progress
 	PYTHONPATH=. $(PY) benchmarks/bench_serving.py --workloads adakv adakv-same-kept --repeats 3 --out results/bench-adakv
 
 ## What vLLM's CPU attention kernel pays when every KV head is its own sequence (per-head
