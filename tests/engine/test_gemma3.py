@@ -62,6 +62,43 @@ def model_dir():
 
 
 @pytest.fixture(scope="module")
+def hf_model(model_dir):
+    """The HF reference's model, loaded once for the module (fp32, eager attention)."""
+    from obcache_vllm.evidence import hf_reference as ref
+
+    return ref.load_model(model_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def prefilled(hf_model):
+    """The HF reference's prefill of a whole prompt (every query kept), once per prompt: the
+    one-eviction references at the prompt's end share it, each pipeline taking its own
+    window from it (as :func:`~obcache_vllm.evidence.hf_reference.compress_and_generate`)."""
+    from obcache_vllm.evidence import hf_reference as ref
+
+    states: dict[tuple[int, ...], object] = {}
+
+    def get(ids: list[int]):
+        key = tuple(ids)
+        if key not in states:
+            states[key] = ref.prefill(hf_model, torch.tensor(ids), query_window=-1)
+        return states[key]
+
+    return get
+
+
+def _at_prompt_end(model, state, ids: list[int], options):
+    """:func:`~obcache_vllm.evidence.hf_reference.compress_and_generate` of a whole-prompt
+    eviction from a shared prefill ``state`` of ``ids``."""
+    from obcache_vllm.evidence import hf_reference as ref
+
+    assert options.compress_point(len(ids)) == len(ids)
+    order, kept = ref.select_kept(state, options, BS)
+    tokens, logits = ref.generate(model, state, kept, 16)
+    return ref.Result(kept=kept, token_ids=tokens, logits=logits, order=order)
+
+
+@pytest.fixture(scope="module")
 def runs(model_dir):
     from transformers import AutoTokenizer
 
@@ -100,8 +137,8 @@ def test_gemma3_serves_stock_requests_as_stock_vllm(runs):
 
 
 @pytest.mark.parametrize("rid, fields", [("budget", BUDGET), ("point", POINT)])
-def test_gemma3_budget_evicts_in_the_global_layers_as_the_hf_reference(runs, model_dir, rid,
-                                                                      fields):  # fmt: skip
+def test_gemma3_budget_evicts_in_the_global_layers_as_the_hf_reference(runs, hf_model, prefilled,
+                                                                      rid, fields):  # fmt: skip
     """A quarter of a 1,500-token prompt kept in the three global layers (at its end, or of
     its first 1,200 tokens with the rest computed on the compressed cache): the global
     group's blocks freed, the kept positions of each global layer and the greedy tokens equal
@@ -115,10 +152,13 @@ def test_gemma3_budget_evicts_in_the_global_layers_as_the_hf_reference(runs, mod
     outcome = got["obcache"]
     assert outcome["freed_blocks"] >= 25, outcome  # 47 blocks of prompt, a quarter kept
     assert set(got["kept"]) == {str(i) for i in GLOBAL_LAYERS}, sorted(got["kept"])
-    model, _ = ref.load_model(model_dir)
+    model = hf_model
     assert ref.evicting_layers(model) == GLOBAL_LAYERS
     options = parse_kv_options(fields, len(ids[0]))
-    want = ref.compress_and_generate(model, torch.tensor(ids[0]), options, BS, 16)
+    if options.compress_point(len(ids[0])) == len(ids[0]):
+        want = _at_prompt_end(model, prefilled(ids[0]), ids[0], options)
+    else:  # a compress point: its own prefill of the prompt up to it
+        want = ref.compress_and_generate(model, torch.tensor(ids[0]), options, BS, 16)
     assert sorted(want.kept) == list(GLOBAL_LAYERS)
     _assert_as_reference(got, want)
     assert len(set(want.token_ids)) > 4, want.token_ids  # a real continuation, not one token
@@ -126,7 +166,7 @@ def test_gemma3_budget_evicts_in_the_global_layers_as_the_hf_reference(runs, mod
     assert outcome["prompt_tokens_kept"] == want.num_kept + tail
 
 
-def test_gemma3_kv_decode_evicts_in_the_global_layers_as_the_hf_reference(runs, model_dir):
+def test_gemma3_kv_decode_evicts_in_the_global_layers_as_the_hf_reference(runs, hf_model):
     """kv_decode on the global layers: evictions at decode steps, the global group's blocks
     never past its prompt's and one more; the evictions (length, prefill), the last one's kept
     positions per global layer and the greedy tokens equal the step-by-step HF reference's
@@ -141,15 +181,14 @@ def test_gemma3_kv_decode_evicts_in_the_global_layers_as_the_hf_reference(runs, 
     assert any(not prefill for _, prefill in orders), orders  # decode-time evictions
     assert got["peak_blocks"] <= 600 // BS + 2, got["peak_blocks"]
     assert got["obcache"]["freed_blocks"] > 0
-    model, _ = ref.load_model(model_dir)
     prompt = ids[1][:600]
     options = parse_kv_options(DECODE, len(prompt))
-    want = ref.run_evicting(model, torch.tensor(prompt), options, BS, 96)
+    want = ref.run_evicting(hf_model, torch.tensor(prompt), options, BS, 96)
     assert orders == [tuple(o) for o in want.orders]
     _assert_as_reference(got, want)
 
 
-def test_gemma3_prefill_evict_evicts_after_every_chunk_as_the_hf_reference(runs, model_dir):
+def test_gemma3_prefill_evict_evicts_after_every_chunk_as_the_hf_reference(runs, hf_model):
     """kv_prefill_evict on the global layers, admitted by its bounded peak plus what the
     sliding-window groups hold: an eviction after every prefill chunk, the global group never
     holding much more than the budget and a chunk, and the evictions, the last one's kept
@@ -164,19 +203,18 @@ def test_gemma3_prefill_evict_evicts_after_every_chunk_as_the_hf_reference(runs,
     assert len(orders) >= 4 and all(prefill for _, prefill in orders), orders
     options = parse_kv_options(CHUNKS, len(ids[1]))
     assert got["peak_blocks"] <= -(-(options.budget + 256) // BS) + 2, got["peak_blocks"]
-    model, _ = ref.load_model(model_dir)
     ends = [n for n, _ in orders if n < len(ids[1])]
-    want = ref.run_evicting(model, torch.tensor(ids[1]), options, BS, 16, prefill_ends=ends)
+    want = ref.run_evicting(hf_model, torch.tensor(ids[1]), options, BS, 16, prefill_ends=ends)
     assert orders == [tuple(o) for o in want.orders]
     _assert_as_reference(got, want)
 
 
-def test_gemma3_error_target_is_the_fixed_budget_it_chose_as_the_hf_reference(runs, model_dir):
+def test_gemma3_error_target_is_the_fixed_budget_it_chose_as_the_hf_reference(
+        runs, hf_model, prefilled):  # fmt: skip
     """An error target on a hybrid model: its error estimated in the global layers, within the
     target; what it keeps in each global layer and the tokens it gives are the HF reference's
     for a fixed budget of the count it chose."""
     from obcache_vllm.admission import parse_kv_options
-    from obcache_vllm.evidence import hf_reference as ref
 
     ids, _, ours, _ = runs
     got = ours["results"]["target"]
@@ -184,27 +222,26 @@ def test_gemma3_error_target_is_the_fixed_budget_it_chose_as_the_hf_reference(ru
     chosen = outcome["chosen_budget"]
     assert 0 <= outcome["estimated_error"] <= 0.05 and chosen < len(ids[1]), outcome
     assert outcome["prompt_tokens_kept"] == chosen and outcome["freed_blocks"] > 0, outcome
-    model, _ = ref.load_model(model_dir)
     options = parse_kv_options({**BUDGET, "kv_budget": chosen}, len(ids[1]))
-    want = ref.compress_and_generate(model, torch.tensor(ids[1]), options, BS, 16)
+    want = _at_prompt_end(hf_model, prefilled(ids[1]), ids[1], options)
     assert want.num_kept == chosen
     _assert_as_reference(got, want)
 
 
-def test_gemma3_adakv_keeps_the_references_entries_and_generates_its_tokens(runs, model_dir):
+def test_gemma3_adakv_keeps_the_references_entries_and_generates_its_tokens(runs, hf_model,
+                                                                           prefilled):  # fmt: skip
     """adakv on a hybrid model: per-head memory in the global layers (one KV head each here),
     the kept entries of each global layer those of the HF reference's served selection
     (``head_budgets.served_masks``), the tokens the argmax over that masked cache."""
     from obcache_vllm.admission import parse_kv_options
     from obcache_vllm.evidence import head_budgets as hb
-    from obcache_vllm.evidence import hf_reference as ref
 
     ids, _, ours, _ = runs
     got = ours["results"]["adakv"]
     assert got["obcache"]["freed_blocks"] > 0, got["obcache"]
-    model, _ = ref.load_model(model_dir)
+    model = hf_model
     options = parse_kv_options(ADAKV, len(ids[1]))
-    state = ref.prefill(model, torch.tensor(ids[1]), query_window=-1)
+    state = prefilled(ids[1])
     want = hb.served_masks(state, options, BS)
     assert sorted(want) == list(GLOBAL_LAYERS)
     for layer, mask in want.items():
@@ -214,7 +251,7 @@ def test_gemma3_adakv_keeps_the_references_entries_and_generates_its_tokens(runs
     assert logits.argmax(-1).tolist() == got["token_ids"]
 
 
-def test_gemma3_pressure_compresses_when_the_pool_runs_short_as_the_reference(runs, model_dir):
+def test_gemma3_pressure_compresses_when_the_pool_runs_short_as_the_reference(runs, hf_model):
     """kv_when: pressure with every group's blocks counted: of the pressure requests that
     arrive with the others in flight, those compressed when the pool ran short (admitted
     compressed while prefilled, or compressed running: their stock blocks leave the prefix
@@ -225,7 +262,6 @@ def test_gemma3_pressure_compresses_when_the_pool_runs_short_as_the_reference(ru
     from obcache_vllm.evidence import hf_reference as ref
 
     ids, _, ours, _ = runs
-    model = None
     compressed = 0
     for i in range(3):
         got, prompt = ours["results"][f"pressure-{i}"], ids[i % 2]
@@ -234,11 +270,11 @@ def test_gemma3_pressure_compresses_when_the_pool_runs_short_as_the_reference(ru
             assert outcome["evictions"] == 0 and len(got["token_ids"]) == 16, outcome
             continue
         compressed += 1
-        model = model or ref.load_model(model_dir)[0]
         orders = [tuple(o) for o in got["orders"]]
         options = parse_kv_options(PRESSURE, len(prompt))
         ends = [n for n, _ in orders if n < len(prompt)]
-        want = ref.run_evicting(model, torch.tensor(prompt), options, BS, 16, prefill_ends=ends)
+        want = ref.run_evicting(hf_model, torch.tensor(prompt), options, BS, 16,
+                                prefill_ends=ends)  # fmt: skip
         assert orders == [tuple(o) for o in want.orders]
         _assert_as_reference(got, want)
     assert compressed >= 1  # the pool ran short: at least one was admitted compressed
