@@ -245,10 +245,16 @@ class Policy:
 
 def is_query_agnostic(requested: Mapping[str, Any]) -> bool:
     """Whether a request's own fields say its prompt is compressed before its question: a
-    ``kv_compress_at`` at a position (an integer; ``"auto"`` decides later, from what the
-    server has seen, and compresses a prompt it has not seen nearly whole)."""
+    ``kv_compress_at`` at a position, as the option's parser reads one (``512``, ``512.0``,
+    ``-96``; ``"auto"`` decides later, from what the server has seen, and compresses a prompt
+    it has not seen nearly whole). A value the parser refuses is not: its refusal names it."""
     point = requested.get("kv_compress_at")
-    return isinstance(point, int) and not isinstance(point, bool)
+    if point is None or point == AUTO:
+        return False
+    try:
+        return isinstance(options.point("kv_compress_at", point), int)
+    except KvOptionsError:
+        return False
 
 
 def merge_fields(

@@ -128,8 +128,10 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
 
 
 def _validate_query_agnostic(selection: Any, probe: dict[str, Any], source: str) -> None:
-    """The policy's ``query_agnostic`` selection: null, or a mapping of selection fields that,
-    over the other defaults, a query-agnostic request could be served with."""
+    """The policy's ``query_agnostic`` selection: null, or a mapping of selection fields whose
+    values are valid together, and that, over the other defaults, do not refuse a
+    query-agnostic request those defaults alone would serve (a default error target with a
+    pipeline that has no scored queries, prefill chunks with adakv, ...)."""
     if selection is None:
         return
     key = QUERY_AGNOSTIC_KEY
@@ -140,15 +142,26 @@ def _validate_query_agnostic(selection: Any, probe: dict[str, Any], source: str)
     if unknown:
         raise ConfigError(f"{source}: {key}: {unknown[0]!r} is not a selection field; known: "
                           f"{', '.join(admission.SELECTION_FIELDS)}")  # fmt: skip
-    # What a compress point is refused with whatever the selection (pressure, prefill chunks,
-    # sessions, a KL target) is not the selection's fault: a stand-in budget, without them.
-    others = {k: v for k, v in probe.items()
-              if k not in ("kv_budget", "kv_when", "kv_prefill_evict", "kv_session")}  # fmt: skip
+    point = {"kv_compress_at": 1 << 19}
+    # The selection's own values and combinations, with a stand-in budget and without the
+    # options that refuse any compress point whatever the selection (pressure, sessions).
+    alone = {k: v for k, v in probe.items()
+             if k not in ("kv_budget", "kv_when", "kv_prefill_evict", "kv_session")}  # fmt: skip
     try:
-        admission.parse_kv_options({**others, **selection, "kv_budget": 1 << 20,
-                                    "kv_compress_at": 1 << 19}, num_prompt_tokens=1 << 20)
+        admission.parse_kv_options({**alone, **selection, "kv_budget": 1 << 20, **point},
+                                   num_prompt_tokens=1 << 20)  # fmt: skip
     except options.KvOptionsError as exc:
         raise ConfigError(f"{source}: {key}: {exc}") from exc
+    # Over every other default, the budget included: a refusal the defaults' own selection
+    # does not meet is the selection's.
+    try:
+        admission.parse_kv_options({**probe, **point}, num_prompt_tokens=1 << 20)
+    except options.KvOptionsError:
+        return  # such requests are refused whatever the selection
+    try:
+        admission.parse_kv_options({**probe, **selection, **point}, num_prompt_tokens=1 << 20)
+    except options.KvOptionsError as exc:
+        raise ConfigError(f"{source}: {key}: with the other defaults, {exc}") from exc
 
 
 def load_policy(environ: Mapping[str, str] | None = None) -> Policy:
@@ -190,6 +203,10 @@ def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = 
     for field, value in from_env.items():
         source = POLICY_KEYS[field][0] if field in POLICY_KEYS else env_name(field)
         validate_defaults({field: value}, source)
+    if set(from_env) & set(admission.SELECTION_FIELDS) and QUERY_AGNOSTIC_KEY not in from_env:
+        # The operator chose the selection by variable or flag: it is every request's unless
+        # they also set the query-agnostic one (the file's was chosen beside the file's).
+        defaults[QUERY_AGNOSTIC_KEY] = None
     defaults.update(from_env)
     validate_defaults(defaults, "kv_* defaults (file + environment)")
     if not keep_policy:

@@ -28,7 +28,7 @@ def _selection(merged: dict) -> dict:
 
 
 def test_a_request_with_a_compress_position_and_no_selection_gets_the_agnostic_selection():
-    for point in (-96, 700, 0):
+    for point in (-96, 700, 1, 512.0):  # a whole float is the position the parser reads
         merged = _merged({"kv_budget": 0.3, "kv_compress_at": point})
         assert _selection(merged) == TOVA, point
         assert merged["kv_compress_at"] == point and merged["kv_budget"] == 0.3
@@ -40,6 +40,7 @@ def test_a_request_with_a_compress_position_and_no_selection_gets_the_agnostic_s
     pytest.param({"kv_budget": 0.3, "kv_compress_at": "auto"}, id="auto"),
     pytest.param({"kv_budget": 0.3, "kv_compress_at": None}, id="null-point"),
     pytest.param({"kv_budget": 0.3, "kv_compress_at": True}, id="a-bool-is-not-a-position"),
+    pytest.param({"kv_budget": 0.3, "kv_compress_at": 0}, id="refused-anyway"),
 ])  # fmt: skip
 def test_other_requests_get_the_ordinary_selection(requested):
     assert _selection(_merged(requested)) == {k: DEFAULTS[k] for k in admission.SELECTION_FIELDS}
@@ -126,3 +127,28 @@ def test_a_selection_is_not_blamed_for_what_a_compress_point_is_refused_with(tmp
     path.write_text("kv_budget: 0.25\nkv_when: pressure\nquery_agnostic: {kv_pipeline: tova}\n")
     policy = config.load_policy({config.CONFIG_ENV: str(path)})
     assert policy.query_agnostic == {"kv_pipeline": "tova"}
+
+
+@pytest.mark.parametrize("env, needle", [
+    pytest.param({"OBCACHE_KV_BUDGET": '{"max_error": 0.1}',
+                  config.QUERY_AGNOSTIC_ENV: "{kv_pipeline: streaming}"},
+                 "no scored queries", id="error-target-default-and-no-scored-queries"),
+    pytest.param({"OBCACHE_KV_BUDGET": "0.3", "OBCACHE_KV_PREFILL_EVICT": "true",
+                  config.QUERY_AGNOSTIC_ENV: "{kv_pipeline: adakv}"},
+                 "kv_prefill_evict", id="prefill-chunks-default-and-adakv"),
+])  # fmt: skip
+def test_a_selection_the_other_defaults_refuse_stops_the_server(env, needle):
+    """Refused at start where the other defaults serve a query-agnostic request and the
+    selection over them would not (each request would get a 400 instead)."""
+    why = f"query_agnostic: with the other defaults.*{needle}"
+    with pytest.raises(config.ConfigError, match=why):
+        config.load_policy(env)
+
+
+def test_a_selection_set_by_variable_or_flag_turns_the_files_block_off():
+    """The operator who chooses the selection by ``OBCACHE_KV_*`` (or its flag) gets it for
+    every request, unless they also set the query-agnostic one."""
+    assert config.load_policy({"OBCACHE_KV_PIPELINE": "h2o"}).query_agnostic is None
+    both = {"OBCACHE_KV_PIPELINE": "h2o", config.QUERY_AGNOSTIC_ENV: "{kv_pipeline: tova}"}
+    assert config.load_policy(both).query_agnostic == {"kv_pipeline": "tova"}
+    assert config.load_policy({"OBCACHE_KV_BUDGET": "0.3"}).query_agnostic is not None
