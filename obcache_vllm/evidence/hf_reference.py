@@ -383,16 +383,20 @@ def compress_and_generate(
     max_new_tokens: int = 16,
     eos_token_ids: Collection[int] = (),
     kv_cache_dtype: str = "auto",
+    prefilled: Prefill | None = None,
 ) -> Result:
     """Prefill, evict as vLLM would, and continue greedily.
 
     Eviction runs at the end of the prompt, or after ``options.compress_at`` prompt tokens: the
     remaining prompt tokens are then computed on the compressed cache, as in vLLM.
+    ``prefilled``: a prefill of the prompt up to that point with at least the pipeline's window
+    of queries (``query_window=-1`` keeps them all), shared by requests of one prefix (each
+    pipeline takes its own window from it); None: prefilled here.
     """
     ids = input_ids.reshape(-1)
     point = options.compress_point(ids.numel())
-    state = prefill(model, ids[:point], query_window=options.query_window,
-                    kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    state = prefilled if prefilled is not None else prefill(
+        model, ids[:point], query_window=options.query_window, kv_cache_dtype=kv_cache_dtype)
     order, kept = select_kept(state, options, block_size)
     tokens, logits = generate(model, state, kept, max_new_tokens, eos_token_ids, ids[point:],
                               kv_cache_dtype=kv_cache_dtype)  # fmt: skip

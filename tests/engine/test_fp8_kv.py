@@ -150,10 +150,10 @@ def reference(runs, model_path):
             if key not in states:
                 states[key] = ref.prefill(model, ids[:point], query_window=-1,
                                           kv_cache_dtype=CACHE_DTYPE)  # fmt: skip
-            _, kept = ref.select_kept(states[key], options, BS)
-            tokens, _ = ref.generate(model, states[key], kept, r["max_tokens"], rest=ids[point:],
-                                     kv_cache_dtype=CACHE_DTYPE)  # fmt: skip
-            out[name][r["id"]] = (kept, tokens)
+            result = ref.compress_and_generate(model, ids, options, BS, r["max_tokens"],
+                                               kv_cache_dtype=CACHE_DTYPE,
+                                               prefilled=states[key])  # fmt: skip
+            out[name][r["id"]] = (result.kept, result.token_ids)
     return out
 
 

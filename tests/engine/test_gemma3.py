@@ -72,8 +72,8 @@ def hf_model(model_dir):
 @pytest.fixture(scope="module")
 def prefilled(hf_model):
     """The HF reference's prefill of a whole prompt (every query kept), once per prompt: the
-    one-eviction references at the prompt's end share it, each pipeline taking its own
-    window from it (as :func:`~obcache_vllm.evidence.hf_reference.compress_and_generate`)."""
+    one-eviction references at the prompt's end share it (``compress_and_generate``'s
+    ``prefilled``), each pipeline taking its own window from it."""
     from obcache_vllm.evidence import hf_reference as ref
 
     states: dict[tuple[int, ...], object] = {}
@@ -85,17 +85,6 @@ def prefilled(hf_model):
         return states[key]
 
     return get
-
-
-def _at_prompt_end(model, state, ids: list[int], options):
-    """:func:`~obcache_vllm.evidence.hf_reference.compress_and_generate` of a whole-prompt
-    eviction from a shared prefill ``state`` of ``ids``."""
-    from obcache_vllm.evidence import hf_reference as ref
-
-    assert options.compress_point(len(ids)) == len(ids)
-    order, kept = ref.select_kept(state, options, BS)
-    tokens, logits = ref.generate(model, state, kept, 16)
-    return ref.Result(kept=kept, token_ids=tokens, logits=logits, order=order)
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +144,9 @@ def test_gemma3_budget_evicts_in_the_global_layers_as_the_hf_reference(runs, hf_
     model = hf_model
     assert ref.evicting_layers(model) == GLOBAL_LAYERS
     options = parse_kv_options(fields, len(ids[0]))
-    if options.compress_point(len(ids[0])) == len(ids[0]):
-        want = _at_prompt_end(model, prefilled(ids[0]), ids[0], options)
-    else:  # a compress point: its own prefill of the prompt up to it
-        want = ref.compress_and_generate(model, torch.tensor(ids[0]), options, BS, 16)
+    shared = prefilled(ids[0]) if options.compress_point(len(ids[0])) == len(ids[0]) else None
+    want = ref.compress_and_generate(model, torch.tensor(ids[0]), options, BS, 16,
+                                     prefilled=shared)  # a compress point: its own prefill
     assert sorted(want.kept) == list(GLOBAL_LAYERS)
     _assert_as_reference(got, want)
     assert len(set(want.token_ids)) > 4, want.token_ids  # a real continuation, not one token
@@ -215,6 +203,7 @@ def test_gemma3_error_target_is_the_fixed_budget_it_chose_as_the_hf_reference(
     target; what it keeps in each global layer and the tokens it gives are the HF reference's
     for a fixed budget of the count it chose."""
     from obcache_vllm.admission import parse_kv_options
+    from obcache_vllm.evidence import hf_reference as ref
 
     ids, _, ours, _ = runs
     got = ours["results"]["target"]
@@ -223,7 +212,8 @@ def test_gemma3_error_target_is_the_fixed_budget_it_chose_as_the_hf_reference(
     assert 0 <= outcome["estimated_error"] <= 0.05 and chosen < len(ids[1]), outcome
     assert outcome["prompt_tokens_kept"] == chosen and outcome["freed_blocks"] > 0, outcome
     options = parse_kv_options({**BUDGET, "kv_budget": chosen}, len(ids[1]))
-    want = _at_prompt_end(hf_model, prefilled(ids[1]), ids[1], options)
+    want = ref.compress_and_generate(hf_model, torch.tensor(ids[1]), options, BS, 16,
+                                     prefilled=prefilled(ids[1]))  # fmt: skip
     assert want.num_kept == chosen
     _assert_as_reference(got, want)
 
