@@ -206,6 +206,35 @@ def test_a_query_agnostic_request_gets_the_shipped_selection(server: Server) -> 
     assert whole["pipeline"] == "snapkv" and "compress_at" not in whole
 
 
+def test_query_agnostic_and_named_selections_in_flight_together_keep_their_own_contexts(
+        server: Server) -> None:  # fmt: skip
+    """The same document and compress point sent at once with the policy's query-agnostic
+    selection and with the defaults' (one field named): each compresses its own context (a
+    compressed context is keyed by its options, so neither adopts the other's), and a later
+    request of each adopts its own and gives the tokens it gave in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = _long_text(24, seed=41)
+    base = {"kv_budget": 0.3, "kv_compress_at": -24}
+    arms = [base, {**base, "kv_scorer": "obcache_key"}]  # tova (the policy's), snapkv
+
+    def complete(fields: dict) -> tuple[list[str], dict]:
+        reply = _client(server).completions.create(
+            model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=12, logprobs=1,
+            extra_body=fields)  # fmt: skip
+        return reply.choices[0].logprobs.tokens, _obcache_usage(reply.usage)
+
+    with ThreadPoolExecutor(len(arms)) as pool:
+        together = list(pool.map(complete, arms))
+    assert [kv["pipeline"] for _, kv in together] == ["tova", "snapkv"]
+    for _, kv in together:
+        assert kv["evictions"] == 1 and "reused_tokens" not in kv, kv
+    for fields, (tokens, kv) in zip(arms, together, strict=True):
+        again, usage = complete(fields)
+        assert usage["reused_from"] == "compress_at" and usage["pipeline"] == kv["pipeline"]
+        assert again == tokens, fields
+
+
 def test_an_error_target_chooses_its_budget_and_reports_it(server: Server) -> None:
     """``kv_budget: {"max_error": e}`` (an object at the top level, its scalar form in
     ``vllm_xargs``): the server keeps the fewest whole blocks whose estimate is within e and
