@@ -211,10 +211,23 @@ def test_query_agnostic_and_named_selections_in_flight_together_keep_their_own_c
     """The same document and compress point sent at once with the policy's query-agnostic
     selection and with the defaults' (one field named): each compresses its own context (a
     compressed context is keyed by its options, so neither adopts the other's), and a later
-    request of each adopts its own and gives the tokens it gave in flight."""
+    request of each adopts its own and gives the tokens it gave in flight.
+
+    The session's server carries the entries earlier tests held (up to 3/4 of its 95 blocks),
+    and a compressed context is only copied into an entry while the pool has room for it beside
+    what the running requests need next: so the pair starts after one unbudgeted request of
+    nearly the whole context (63 blocks), which held entries give way to, leaving at most 32
+    held, and the pair is small (two 10-block prompts, two 3-block entries)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    prompt = _long_text(24, seed=41)
+    flush = _client(server).completions.create(
+        model=MODEL_NAME, prompt=haystack(66, seed=42), temperature=0, max_tokens=1)
+    block = 32  # `obcache-vllm serve`'s --block-size
+    needs = math.ceil((flush.usage.prompt_tokens + 1) / block)
+    assert needs >= 63, flush.usage
+    held = server.metrics().value(M.HELD_BLOCKS.exposed)
+    assert held <= POOL_BLOCKS - 1 - needs, held
+    prompt = _long_text(10, seed=41)
     base = {"kv_budget": 0.3, "kv_compress_at": -24}
     arms = [base, {**base, "kv_scorer": "obcache_key"}]  # tova (the policy's), snapkv
 
