@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim leaderboard lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
-	lm-eval choose-defaults error-target error-predictor kvpress-parity adakv local-error \
+	lm-eval lm-eval-floor-rival choose-defaults error-target error-predictor kvpress-parity adakv local-error \
 	head-layout
 
 setup:
@@ -96,6 +96,15 @@ fidelity-topk: setup
 LM_EVAL_ARGS ?= --limit 50 --budgets 0.2 --max-gen-toks 64
 lm-eval: setup
 	$(PY) scripts/lm_eval_grid.py $(LM_EVAL_ARGS) --out results/lm-eval
+
+## random and DropKV added to results/lm-eval, query-aware, with the server's selection defaults
+## set to what the committed run had (tova, one ranking per layer, window 1), so they pair with
+## its full cache and its attn arm
+lm-eval-floor-rival: setup
+	$(PY) scripts/lm_eval_grid.py --limit 50 --budgets 0.2 --max-gen-toks 64 \
+	  --scorers random,dropkv --settings aware --no-full \
+	  --serve-args "--default-kv-pipeline tova --default-kv-window 1 --default-kv-per-head false" \
+	  --out results/lm-eval --add-to results/lm-eval/lm_eval.json
 
 ## The server's shipped selection defaults, by the rule of configs/choose_defaults.yaml (stated
 ## before its run): lm-eval RULER through the server for every candidate and the full cache,

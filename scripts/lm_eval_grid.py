@@ -210,6 +210,8 @@ def render(results: dict) -> str:
         "",
         f"Command: `{results['command']}` ({results['seconds']:.0f} s). Every lm_eval command "
         "line is in `lm_eval.json`.",
+        *(f"\nArms {', '.join(a['arms'])} added {a['date']}: `{a['command']}` "
+          f"({a['seconds']:.0f} s)." for a in results.get("added", [])),
         "",
         "Accuracy [95 % interval] per task (RULER's string match: 0/1 for one needle, the "
         "fraction found for several; Wilson for 0/1 scores, bootstrap otherwise); "
@@ -270,12 +272,15 @@ def scrape(url: str) -> Snapshot:
         return Snapshot.parse(resp.read().decode(), time.time())
 
 
-def run_grid(args, url: str, model: str, tokenizer: str) -> dict:
+def planned_arms(args) -> list[Arm]:
     if args.arms:
-        grid = named_arms(args.arms, full=args.full)
-    else:
-        grid = arms(args.pipelines, args.scorers, args.budgets, args.settings,
-                    args.agnostic_tail, full=args.full)  # fmt: skip
+        return named_arms(args.arms, full=args.full)
+    return arms(args.pipelines, args.scorers, args.budgets, args.settings, args.agnostic_tail,
+                full=args.full)  # fmt: skip
+
+
+def run_grid(args, url: str, model: str, tokenizer: str) -> dict:
+    grid = planned_arms(args)
     if args.max_gen_toks:
         grid = [Arm(a.name, {**a.fields, "max_gen_toks": args.max_gen_toks}) for a in grid]
     stub = nltk_stub(Path(tempfile.mkdtemp(prefix="nltk-stub-")))
@@ -353,7 +358,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("results/lm-eval"))
     p.add_argument("--report-only", type=Path, default=None,
                    help="re-render the report from an lm_eval.json, running nothing")
+    p.add_argument("--add-to", type=Path, default=None,
+                   help="an lm_eval.json to add this run's arms to (new names only; its full "
+                   "cache pairs with them, so give the tasks, lengths, limit and server "
+                   "defaults it ran with): the report is rewritten beside it")
     return p.parse_args(argv)
+
+
+def add_run(results: dict, added: dict) -> dict:
+    """``results`` (a committed lm_eval.json) with the arms of a later run ``added`` appended,
+    their command recorded under ``added``; an arm name already there is refused (its
+    documents would be paired with another run's)."""
+    clash = sorted(set(added["arms"]) & set(results["arms"]))
+    if clash:
+        raise ValueError(f"arms already in the results: {', '.join(clash)}")
+    out = {**results, "arms": results["arms"] + added["arms"],
+           "runs": {**results["runs"], **added["runs"]}}  # fmt: skip
+    out["added"] = [*results.get("added", []), {
+        k: added[k] for k in ("command", "date", "machine", "lm_eval_version", "seconds", "arms")}]
+    return out
+
+
+def _string_keys(runs: dict) -> None:
+    for run in runs.values():  # JSON keys are strings
+        run["scores"] = {t: {str(n): d for n, d in per.items()} for t, per in run["scores"].items()}
 
 
 def rerender(path: Path) -> None:
@@ -379,6 +407,14 @@ def main(argv=None) -> int:
         print(f"lm_eval not found at {args.lm_eval}: install the eval extra (make setup)",
               file=sys.stderr)
         return 2
+    if args.add_to:
+        try:  # before the run, not after it
+            add_run(json.loads(args.add_to.read_text()),
+                    {"arms": [a.name for a in planned_arms(args)], "runs": {}, "command": "",
+                     "date": "", "machine": "", "lm_eval_version": "", "seconds": 0})  # fmt: skip
+        except (OSError, ValueError) as exc:
+            print(f"--add-to {args.add_to}: {exc}", file=sys.stderr)
+            return 2
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     if args.url:
@@ -403,10 +439,17 @@ def main(argv=None) -> int:
         "lm_eval_version": lm_eval_version(args.lm_eval),
         "seconds": time.monotonic() - started, **grid,
     }  # fmt: skip
+    if args.add_to:
+        _string_keys(results["runs"])
+        path = args.add_to
+        path.write_text(json.dumps(add_run(json.loads(path.read_text()), results), indent=1)
+                        + "\n")  # fmt: skip
+        rerender(path)
+        print(path.with_suffix(".md").read_text())
+        return 0
     results["rows"] = summarize(results["runs"])
     results["versus"] = versus(results["runs"])
-    for run in results["runs"].values():  # JSON keys are strings
-        run["scores"] = {t: {str(n): d for n, d in per.items()} for t, per in run["scores"].items()}
+    _string_keys(results["runs"])
     (args.out / "lm_eval.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "lm_eval.md").write_text(render(results))
     print((args.out / "lm_eval.md").read_text())

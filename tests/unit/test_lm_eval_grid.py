@@ -85,3 +85,45 @@ def test_each_score_is_paired_with_the_attn_arm_that_differs_only_by_it():
     (pair,) = grid.versus(runs)
     assert (pair["arm"], pair["baseline"]) == ("obcache_key/0.2/agnostic", "attn/0.2/agnostic")
     assert abs(pair["diff"] - 1 / 3) < 1e-9 and pair["low"] >= 0.0
+
+
+def test_a_later_run_adds_its_arms_paired_with_the_committed_ones(tmp_path):
+    """``--add-to``: a later run's arms join a committed lm_eval.json, pair with its full cache
+    and its ``attn`` arm, and the report names the later command; a name already there is
+    refused before anything runs."""
+    committed = {
+        "command": "first", "date": "d1", "machine": "m", "model": "M", "lm_eval_version": "v",
+        "seconds": 10.0, "arms": ["full", "attn/0.2/aware"],
+        "runs": {
+            "full": {"fields": {"kv_budget": None}, "kept_ratio": None,
+                     "scores": {"t": {"1024": {"0": 1.0, "1": 1.0}}}},
+            "attn/0.2/aware": {"fields": {"kv_budget": 0.2, "kv_scorer": "attn"},
+                               "kept_ratio": 0.2, "scores": {"t": {"1024": {"0": 1.0, "1": 0.0}}}},
+        },
+    }  # fmt: skip
+    later = {
+        "command": "second", "date": "d2", "machine": "m", "lm_eval_version": "v",
+        "seconds": 5.0, "arms": ["random/0.2/aware"],
+        "runs": {"random/0.2/aware": {"fields": {"kv_budget": 0.2, "kv_scorer": "random"},
+                                      "kept_ratio": 0.2,
+                                      "scores": {"t": {"1024": {"0": 0.0, "1": 0.0}}}}},
+    }  # fmt: skip
+    path = tmp_path / "lm_eval.json"
+    path.write_text(json.dumps(grid.add_run(committed, later)))
+    grid.rerender(path)
+    results = json.loads(path.read_text())
+    assert results["arms"] == ["full", "attn/0.2/aware", "random/0.2/aware"]
+    (row,) = [r for r in results["rows"] if r["arm"] == "random/0.2/aware"]
+    assert row["accuracy"] == 0.0 and row["diff"] == -1.0
+    (pair,) = results["versus"]
+    assert (pair["arm"], pair["baseline"], pair["diff"]) == ("random/0.2/aware", "attn/0.2/aware",
+                                                             -0.5)  # fmt: skip
+    report = path.with_suffix(".md").read_text()
+    assert "Command: `first`" in report and "Arms random/0.2/aware added d2: `second`" in report
+    with pytest.raises(ValueError, match="attn/0.2/aware"):
+        grid.add_run(committed, {**later, "arms": ["attn/0.2/aware"]})
+    out = tmp_path / "out"
+    assert grid.main(["--add-to", str(path), "--out", str(out), "--scorers", "attn",
+                      "--budgets", "0.2", "--settings", "aware", "--no-full",
+                      "--lm-eval", str(path)]) == 2  # fmt: skip
+    assert not out.exists()  # refused before the run
