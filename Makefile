@@ -97,12 +97,12 @@ LM_EVAL_ARGS ?= --limit 50 --budgets 0.2 --max-gen-toks 64
 lm-eval: setup
 	$(PY) scripts/lm_eval_grid.py $(LM_EVAL_ARGS) --out results/lm-eval
 
-## random and DropKV added to results/lm-eval, query-aware, with the server's selection defaults
+## random and DropKV added to results/lm-eval, both settings, with the server's selection defaults
 ## set to what the committed run had (tova, one ranking per layer, window 1), so they pair with
 ## its full cache and its attn arm
 lm-eval-floor-rival: setup
 	$(PY) scripts/lm_eval_grid.py --limit 50 --budgets 0.2 --max-gen-toks 64 \
-	  --scorers random,dropkv --settings aware --no-full \
+	  --scorers random,dropkv --settings aware,agnostic --no-full \
 	  --serve-args "--default-kv-pipeline tova --default-kv-window 1 --default-kv-per-head false" \
 	  --out results/lm-eval --add-to results/lm-eval/lm_eval.json
 
