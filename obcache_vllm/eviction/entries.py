@@ -414,6 +414,17 @@ class HeldEntries:
             + sorted((e for e in rest if not seen[e][0]), key=lambda e: seen[e][1], reverse=True)
         )
 
+    NEW = -1  # the id :meth:`ahead_of_new` ranks a new entry by (entry ids are never negative)
+
+    def ahead_of_new(self) -> list[int]:
+        """Held entries that rank before a new, never-read, not tentative entry in release
+        order (:meth:`_ranked`): the ones a new entry may take the room of when the pool has
+        no free blocks to copy it into. With ``"reuse"``: the overdue ones, the tentative ones,
+        then those whose next read is predicted further away than a new entry's (the prior);
+        with ``"lru"``: all of them (a new entry is always held)."""
+        order = self._ranked(extra=(self.NEW, None, False))
+        return order[: order.index(self.NEW)]
+
     @property
     def surplus_blocks(self) -> int:
         """Blocks :meth:`surplus_victim` would give up: every tentative entry's, then the

@@ -389,3 +389,48 @@ def _surplus_gives_way(engine, prefix, tokenizer):
     _long_beside_short(engine, tokenizer)
     assert prefix.counts[("compress_at", "released")] >= 1
     assert prefix.held.blocks >= prefix.held.base  # only the surplus gave way
+
+
+def test_a_new_documents_entry_takes_the_room_of_entries_no_one_reads(fresh, tokenizer):
+    """Documents compressed as little as 1,000 tokens to 900 leave entries of 29 blocks; right
+    after its compaction, a document's request holds its own blocks and the spare blocks its
+    stock KV is being copied aside into, so the next document's copy finds too few free
+    blocks while an earlier, never-read entry is held. The copy takes the room of the held
+    entries that rank before a new one (never read: least recently used first) instead of
+    being skipped, and a question over the newest document adopts its entry (before, the
+    copy was skipped while the unread entry stayed held, and the question compressed the
+    document again)."""
+    from obcache_vllm.eviction.entries import HeldEntries
+
+    engine = fresh
+    prefix = engine.scheduler.obcache_prefix
+    # A HeldEntries of its own: nothing measured (the shared engine's earlier reads set the
+    # prediction a new entry is ranked by), held up to 3/4 of the pool
+    shared = prefix.held
+    prefix.held = HeldEntries(int(0.75 * (POOL_BLOCKS - 1)), base=shared.base)
+    short, make_room = [], prefix._make_room
+    prefix._make_room = lambda n: short.append(n) or make_room(n)
+    try:
+
+        def count(what):
+            return prefix.counts.get(("compress_at", what), 0)
+
+        created, released = count("created"), count("released")
+        kv = {"kv_budget": 900, "kv_pipeline": "tova"}
+        docs = [_doc(tokenizer, sentences=33, seed=90 + i)[:1000] for i in range(3)]
+        q1, q2 = _questions(tokenizer)
+        for i, doc in enumerate(docs):
+            _, _, first, _ = _generate(engine, doc + q1, {**kv, "kv_compress_at": len(doc)})
+            assert "reused_from" not in first and first["evictions"] == 1
+            assert count("created") == created + i + 1  # every document leaves its entry
+            assert len(short) == i and all(n > 0 for n in short)  # short from the second on
+        assert count("released") >= released + 2 and len(prefix.held) == 1
+        held = [e.entry_id for e in prefix.entries if e.entry_id in prefix.held]
+        assert held == [max(e.entry_id for e in prefix.entries)]  # the newest document's
+        doc = docs[2]
+        _, cached, usage, _ = _generate(engine, doc + q2, {**kv, "kv_compress_at": len(doc)})
+        assert usage.get("reused_from") == "compress_at" and usage["reused_tokens"] == len(doc)
+    finally:
+        del prefix._make_room
+        prefix.release_all()
+        prefix.held = shared

@@ -160,6 +160,30 @@ def test_reuse_order_releases_overdue_entries_first():
         HeldEntries(4, victims="mru")
 
 
+def test_a_new_entry_may_take_the_room_of_the_entries_that_rank_before_it():
+    """What an entry copy short of free blocks may release (the adapter's ``_make_room``): the
+    entries ahead of a new one in release order, not the ones predicted to be read sooner."""
+    held = HeldEntries(limit=16)
+    for entry_id in (1, 2, 3):
+        assert held.hold(entry_id, 4) == []
+    # nothing measured yet: least recently used first, a new entry last
+    assert held.ahead_of_new() == [1, 2, 3]
+    held.tick()
+    held.used(3)  # read after 1 access
+    for _ in range(5):
+        held.tick()
+    held.used(2)  # read after 6: 2's next read is predicted 6 accesses away
+    held.used(3)  # read again after 5: predicted at 3 (its reads), the prior at 4.25 (all)
+    # 1 was never read and idled past the prior (overdue): first; 2's next read is further
+    # away than a new entry's (the prior), 3's nearer: it stays
+    assert held.ahead_of_new() == [1, 2]
+    assert HeldEntries(limit=4).ahead_of_new() == []
+    lru = HeldEntries(limit=8, victims="lru")
+    assert lru.hold(1, 4) == [] and lru.hold(2, 4) == []
+    lru.used(2)
+    assert lru.ahead_of_new() == [1, 2]  # "lru" holds every new entry
+
+
 def test_entry_victims_from_the_environment():
     from obcache_vllm.config import entry_victims
 

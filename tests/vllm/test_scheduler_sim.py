@@ -253,6 +253,26 @@ def test_entry_copy_never_takes_room_a_running_request_needs():
     )))  # fmt: skip
 
 
+def test_a_new_documents_entry_takes_the_room_of_entries_no_one_reads():
+    """Four documents' ``kv_compress_at`` entries, never read, fill the room the pool has
+    spare (three in four of its blocks may be held); a fifth document's copy finds too few
+    free blocks. Its entry takes the room of the held entries that rank before a new one
+    (overdue, never read) instead of being dropped, so the question that follows over the
+    fifth document adopts it (before: the copy was skipped and every later question over a
+    new document compressed it again while the old entries stayed held)."""
+    fields = (("kv_budget", 40), ("kv_compress_at", 96), ("kv_pipeline", "tova"))
+    ops = []
+    for doc in range(4):
+        ops += [Add(doc + 1, doc, 150, 0, 4, fields), Step(30)]
+    ops += [Add(5, 4, 150, 0, 4, fields), Step(30), Add(6, 4, 150, 3, 4, fields), Step(30)]
+    config = SimConfig(num_blocks=40, max_batched_tokens=48, share=0.25, share_max=0.75)
+    sim = assert_clean(Case(config, tuple(ops)))
+    counts = sim.scheduler.obcache_prefix.counts
+    assert counts[("compress_at", "created")] == 5 and counts[("compress_at", "released")] >= 1
+    assert sim.results["r6"].outcome.get("reused_from") == "compress_at"
+    assert sim.results["r6"].outcome["reused_tokens"] == 96
+
+
 # -- the harness itself: each check fails on a deliberately broken build ----------------------
 def _first_seed_showing(kind: str, cases: int = 400, **kwargs) -> int | None:
     for seed in range(cases):

@@ -24,6 +24,8 @@ objects):
   allocation fails for a running request (before vLLM preempts), for a waiting one while more
   than ``OBCACHE_ENTRY_POOL_SHARE`` is held, or for a waiting one with nothing running
   (:meth:`PrefixAdapter.reclaim`, called by :meth:`.blocks.PoolAdapter.allocate_slots`).
+  A new entry's copy short of free blocks takes the room of the held entries that rank
+  before it in that order (:meth:`PrefixAdapter._make_room`), never a running request's.
 * **KV events** (``--kv-events-config``): registered blocks hold stock KV and are published
   by vLLM as usual; entry blocks carry tags (:func:`~obcache_vllm.eviction.entries.tag`)
   that no token lookup can match, are never published, and their ``BlockRemoved`` events are
@@ -350,8 +352,11 @@ class PrefixAdapter:
         if not src or any(b.is_null for b in src):
             return None
         running = sum(self.pool_adapter.next_step_blocks(r) for r in self.scheduler.running)
-        if len(src) + running > self.pool.get_num_free_blocks():
-            return None  # no entry rather than taking room a running request needs next
+        short = len(src) + running - self.pool.get_num_free_blocks()
+        if short > 0 and not self._make_room(short):
+            # no entry rather than taking room a running request needs next, or the room of
+            # held entries predicted to be read sooner than a new one
+            return None
         dst = self.pool.get_new_blocks(len(src))
         entry_id = self.entries.new_id()
         hashes = []
@@ -378,6 +383,29 @@ class PrefixAdapter:
             self._copying[block.block_id] = entry
         self._insert(entry, dst)
         return entry
+
+    def _make_room(self, short: int) -> bool:
+        """Free ``short`` blocks for a new entry's copy by releasing the held entries that rank
+        before a new entry (:meth:`HeldEntries.ahead_of_new`: overdue, tentative, or predicted
+        to be read later than a new entry), first in release order; none is released unless
+        enough are. A block is freed when every reference on it is a released hold (a running
+        adopter or a pending copy keeps it). Without this, entries that no request reads any
+        more keep every new document from leaving one once they fill the pool's spare room."""
+        holds: dict[int, int] = {}
+        victims = []
+        for entry_id in self.held.ahead_of_new():
+            held = self._held_blocks.get(entry_id)
+            if held is None:
+                continue
+            victims.append(entry_id)
+            for block in held[1]:
+                holds[block.block_id] = holds.get(block.block_id, 0) + 1
+            freed = sum(1 for b, n in holds.items() if self.pool.blocks[b].ref_cnt <= n)
+            if freed >= short:
+                for victim in victims:
+                    self._unhold(victim)
+                return True
+        return False
 
     def drop_pending_copies(self) -> None:
         """Entries whose copies are still queued (made after the last step, copied by the
