@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -433,7 +434,7 @@ def main(argv=None) -> int:
                 model = json.load(resp)["data"][0]["id"]
             grid = run_grid(args, url, model, tokenizer)
     results = {
-        "command": "python scripts/lm_eval_grid.py " + " ".join(sys.argv[1:] if argv is None
+        "command": "python scripts/lm_eval_grid.py " + shlex.join(sys.argv[1:] if argv is None
                                                                  else argv),
         "date": time.strftime("%Y-%m-%d"), "machine": args.machine, "model": model,
         "lm_eval_version": lm_eval_version(args.lm_eval),
