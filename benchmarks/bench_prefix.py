@@ -13,6 +13,7 @@ Workloads (``--workloads``):
 * ``docs-pool``: ``docs`` documents x ``questions`` questions, ``clients`` clients taking the
   documents in turn, in a pool that holds fewer documents than there are uncompressed
   (``--pool-blocks``), so stock vLLM's LRU must drop and recompute documents.
+* ``docs-pool-4``: the same with 8 documents and 4 clients.
 * ``chat-one``: a 4-turn chat over a ~1,200-word system text, one client; every turn resends
   the whole conversation (the assistant's answers included), as OpenAI clients do.
 * ``chat-pool``: ``sessions`` such chats x ``turns`` turns, ``clients`` clients, small pool.
@@ -225,6 +226,9 @@ WORKLOADS = {
     # name: (kind, groups, per group, clients, pool blocks (None: the server's default))
     "docs-one": ("docs", 1, 6, 1, None),
     "docs-pool": ("docs", 6, 4, 3, 192),
+    # more clients than the pool holds documents for: a new document's compressed context
+    # competes with held ones no client reads any more
+    "docs-pool-4": ("docs", 8, 4, 4, 192),
     "chat-one": ("chat", 1, 4, 1, None),
     "chat-pool": ("chat", 6, 4, 3, 160),
 }
