@@ -366,13 +366,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def refuse_clashes(results: dict, names) -> None:
+    """ValueError if any of the arm ``names`` is in ``results`` already."""
+    clash = sorted(set(names) & set(results["arms"]))
+    if clash:
+        raise ValueError(f"arms already in the results: {', '.join(clash)}")
+
+
 def add_run(results: dict, added: dict) -> dict:
     """``results`` (a committed lm_eval.json) with the arms of a later run ``added`` appended,
     their command recorded under ``added``; an arm name already there is refused (its
     documents would be paired with another run's)."""
-    clash = sorted(set(added["arms"]) & set(results["arms"]))
-    if clash:
-        raise ValueError(f"arms already in the results: {', '.join(clash)}")
+    refuse_clashes(results, added["arms"])
     out = {**results, "arms": results["arms"] + added["arms"],
            "runs": {**results["runs"], **added["runs"]}}  # fmt: skip
     out["added"] = [*results.get("added", []), {
@@ -410,9 +415,8 @@ def main(argv=None) -> int:
         return 2
     if args.add_to:
         try:  # before the run, not after it
-            add_run(json.loads(args.add_to.read_text()),
-                    {"arms": [a.name for a in planned_arms(args)], "runs": {}, "command": "",
-                     "date": "", "machine": "", "lm_eval_version": "", "seconds": 0})  # fmt: skip
+            refuse_clashes(json.loads(args.add_to.read_text()),
+                           [a.name for a in planned_arms(args)])
         except (OSError, ValueError) as exc:
             print(f"--add-to {args.add_to}: {exc}", file=sys.stderr)
             return 2

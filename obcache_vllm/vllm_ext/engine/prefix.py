@@ -391,17 +391,12 @@ class PrefixAdapter:
         enough are. A block is freed when every reference on it is a released hold (a running
         adopter or a pending copy keeps it). Without this, entries that no request reads any
         more keep every new document from leaving one once they fill the pool's spare room."""
-        holds: dict[int, int] = {}
         victims = []
         for entry_id in self.held.ahead_of_new():
-            held = self._held_blocks.get(entry_id)
-            if held is None:
+            if entry_id not in self._held_blocks:
                 continue
             victims.append(entry_id)
-            for block in held[1]:
-                holds[block.block_id] = holds.get(block.block_id, 0) + 1
-            freed = sum(1 for b, n in holds.items() if self.pool.blocks[b].ref_cnt <= n)
-            if freed >= short:
+            if self._freed_by(victims) >= short:
                 for victim in victims:
                     self._unhold(victim)
                 return True
@@ -544,10 +539,15 @@ class PrefixAdapter:
     def reclaimable_blocks(self) -> int:
         """Held blocks that releasing holds would return to the pool: those no request
         references (a running adopter keeps its entry's blocks whatever the hold)."""
+        return self._freed_by(self._held_blocks)
+
+    def _freed_by(self, entry_ids) -> int:
+        """Blocks that releasing the holds of ``entry_ids`` would return to the pool: those
+        whose every reference is one of those holds."""
         holds: dict[int, int] = {}
         blocks = {}
-        for _, held in self._held_blocks.values():
-            for block in held:
+        for entry_id in entry_ids:
+            for block in self._held_blocks[entry_id][1]:
                 holds[block.block_id] = holds.get(block.block_id, 0) + 1
                 blocks[block.block_id] = block
         return sum(1 for b, n in holds.items() if blocks[b].ref_cnt <= n)
