@@ -16,6 +16,8 @@ Methods (``kv_decode`` on, budget B per layer and KV head):
 * ``streaming``                  StreamingLLM: 4 sinks + the most recent B - 4 tokens
 * ``h2o+attn``                   H2O: accumulated attention (prefill + every decode query)
 * ``h2o+obcache_{value,key,joint}``  H2O's accumulation of the OBCache scores
+* ``h2o+dropkv``, ``h2o+random`` (``--scorers``)  the same host with the closest published
+  rival's score (kvpress's DropKV) and with uniform random scores, the floor
 
 Usage::
 
@@ -41,8 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from obcache_vllm.scoring import SCORER_NAMES
+
 DEFAULT_BOOKS = ("Genesis", "Exodus", "Matthew", "Acts", "Numbers", "Isaiah")
-SCORED = ("attn", "obcache_value", "obcache_key", "obcache_joint")
+SCORED = ("attn", "obcache_value", "obcache_key", "obcache_joint")  # the default --scorers
 SINKS = 4
 BIN = 64  # positions per stored bin (JSON); tables and plots merge bins
 BIBLE_HELP = (
@@ -365,7 +369,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length per document")
     ap.add_argument("--tokens", type=int, default=8000, help="forced tokens per document")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
-    ap.add_argument("--scorers", nargs="+", default=list(SCORED), choices=SCORED)
+    ap.add_argument("--scorers", nargs="+", default=list(SCORED), choices=SCORER_NAMES,
+                    help="the h2o methods' scores (any kv_scorer: dropkv, the closest rival, "
+                         "and random, the floor, beside the default four)")
     ap.add_argument("--recent", type=int, default=16,
                     help="recent tokens always kept by the h2o methods")
     ap.add_argument("--recent-fraction", type=float, default=None,

@@ -114,3 +114,13 @@ def test_kjv_book_is_long_prose_and_unknown_books_are_refused():
     assert len(text.split()) > 30_000
     with pytest.raises(ppl.MissingTextError, match="book name"):
         ppl.kjv_book("Nosuchbook")
+
+
+def test_the_rival_and_the_floor_are_scorers_the_command_runs():
+    """`--scorers dropkv random` gives h2o methods with kvpress's DropKV score and the floor."""
+    args = ppl._parser().parse_args(["--scorers", "attn", "dropkv", "random"])
+    names = [m.name for m in ppl.methods([256], args.scorers)]
+    assert names == ["full", "streaming@256", "h2o+attn@256", "h2o+dropkv@256", "h2o+random@256"]
+    assert ppl.methods([256], ["dropkv"])[-1].kv["kv_scorer"] == "dropkv"
+    with pytest.raises(SystemExit):
+        ppl._parser().parse_args(["--scorers", "snapkv"])  # a pipeline, not a scorer
