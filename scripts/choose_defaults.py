@@ -195,6 +195,36 @@ def shipped_agnostic(path: Path = SHIPPED) -> str | None:
     return match.group(1) if match else None
 
 
+def shipped_query_aware(path: Path = SHIPPED) -> str | None:
+    """The winner named in ``default.yaml``'s chosen block (the query-aware selection the
+    server ships now), or None (no block, or one naming none)."""
+    text = path.read_text()
+    start = text.find(BEGIN)
+    if start < 0:
+        return None
+    match = re.search(r"^# winner: (\S+) ", text[start:text.find(END, start)], re.M)
+    return match.group(1) if match else None
+
+
+def current_setting(rule: dict, shipped: Path = SHIPPED, recorded: dict | None = None) -> str:
+    """The setting the query-aware evidence is judged against (rule step 4: no change without
+    evidence): what the server ships now, the winner named in ``default.yaml``'s chosen block.
+    A decision re-applied to its recorded evidence (``--report-only``) keeps the current it
+    was made against (``recorded``, its ``decision.json``), so re-rendering a past run does
+    not rewrite its history; a rule file may name one (``current:``) only where the shipped
+    file names none."""
+    if recorded and recorded.get("current"):
+        return recorded["current"]
+    current = shipped_query_aware(shipped) or rule.get("current")
+    if current is None:
+        raise SystemExit(f"{shipped}: no `# winner:` in the chosen block, and the rule names "
+                         "no `current:` setting to judge the evidence against")
+    if current not in rule["candidates"]:
+        raise SystemExit(f"the current setting {current!r} (what {shipped} ships) is not a "
+                         "candidate of the rule: add it, so the evidence can keep it")
+    return current
+
+
 def shipping_kind(rule: dict) -> str | None:
     """The traffic kind whose winner is shipped as the ``query_agnostic`` block (at most one)."""
     kinds = [k for k, spec in (rule.get("traffic") or {}).items()
@@ -235,7 +265,7 @@ def traffic_rule(rule: dict, kind: str, shipped: str | None,
     ``query_agnostic`` block, that block's winner ``agnostic`` where one is shipped); a kind
     may set its own ``lengths``, ``limit`` and ``budget``, and add ``candidates``."""
     spec = rule["traffic"][kind]
-    current = shipped or rule["current"]
+    current = shipped or rule.get("current")
     if spec.get("ships") == AGNOSTIC_KEY and agnostic:
         current = agnostic
     kind_rule = {**rule, "current": current}
@@ -287,7 +317,12 @@ def main(argv=None) -> int:
     if args.report_only is None and "query_aware" in only:
         source = _run_evidence(rule, out, {}, args.limit, args.serve_args)
     results = json.loads(source.read_text())
+    recorded = None
+    if args.report_only is not None and (out / "decision.json").exists():
+        recorded = json.loads((out / "decision.json").read_text())
+    rule = {**rule, "current": current_setting(rule, args.shipped, recorded)}
     decision = choose(cell_scores(results), rule)
+    decision["current"] = rule["current"]
     decision["rule"] = str(args.rule.relative_to(ROOT)) if args.rule.is_relative_to(ROOT) \
         else str(args.rule)  # fmt: skip
     report = render(decision, rule, results)
@@ -295,6 +330,9 @@ def main(argv=None) -> int:
     ships = shipping_kind(rule)
     for kind in kinds:
         kind_rule = traffic_rule(rule, kind, decision["winner"], shipped_agnostic(args.shipped))
+        was = ((recorded or {}).get("traffic") or {}).get(kind, {}).get("current")
+        if was:  # re-applied to recorded evidence: judged against what it was judged against
+            kind_rule["current"] = was
         if args.report_only is None and kind in only:
             _run_evidence(kind_rule, out / kind, rule["traffic"][kind]["fields"], args.limit,
                           args.serve_args)  # fmt: skip
@@ -303,6 +341,7 @@ def main(argv=None) -> int:
             continue
         kind_results = json.loads(path.read_text())
         decision["traffic"][kind] = choose(cell_scores(kind_results), kind_rule)
+        decision["traffic"][kind]["current"] = kind_rule["current"]
         report += "\n" + render_traffic(kind, decision["traffic"][kind], kind_rule, kind_results)
     (out / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")
     (out / "DECISION.md").write_text(report)

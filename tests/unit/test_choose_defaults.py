@@ -70,13 +70,13 @@ def test_the_winner_is_written_between_the_markers(tmp_path):
 
 def test_the_shipped_defaults_are_the_recorded_winner():
     """obcache_vllm/default.yaml holds the winner of the last run of the rule (or, where that
-    run found none, the rule's current setting), field for field."""
+    run found none, the setting it was judged against), field for field."""
     decision_path = ROOT / "results" / "choose-defaults" / "decision.json"
     if not decision_path.exists():
         pytest.fail("no results/choose-defaults/decision.json: run `make choose-defaults`")
     decision = json.loads(decision_path.read_text())
     rule = choose_defaults.load_rule()
-    name = decision["winner"] or rule["current"]
+    name = decision["winner"] or decision["current"]
     shipped = yaml.safe_load((ROOT / "obcache_vllm" / "default.yaml").read_text())
     for key, value in rule["candidates"][name].items():
         assert shipped[key] == value, (key, name)
@@ -172,7 +172,8 @@ def test_each_traffic_kind_gets_its_own_winner_and_the_query_aware_one_is_shippe
     _lm_eval_json(tmp_path / "agnostic" / "lm_eval.json", full=(1, 1, 1), cur=(0.2, 0.2, 0.2),
                   good=(0.6, 0.6, 0.6), rival=(0.62, 0.62, 0.62), rand=(0, 0, 0))
     choose_defaults.main(["--rule", str(rule_path), "--report-only",
-                          str(tmp_path / "lm_eval.json")])  # fmt: skip
+                          str(tmp_path / "lm_eval.json"),
+                          "--shipped", str(_shipped(tmp_path, None))])  # fmt: skip
     decision = json.loads((tmp_path / "decision.json").read_text())
     assert decision["winner"] == "good"
     agnostic = decision["traffic"]["agnostic"]
@@ -191,3 +192,46 @@ def test_a_traffic_kind_may_set_its_budget_and_add_candidates():
     assert set(rule["candidates"]) < set(kind["candidates"])
     plain = choose_defaults.traffic_rule(rule, "query_agnostic", None)
     assert plain["budget"] == rule["budget"] and plain["candidates"] == rule["candidates"]
+
+
+def _shipped(tmp_path: Path, winner: str | None) -> Path:
+    """A default.yaml whose chosen block names ``winner`` (None: names none)."""
+    path = tmp_path / "default.yaml"
+    named = f"# winner: {winner} (results/choose-defaults/DECISION.md)\n" if winner else ""
+    path.write_text(f"kv_budget: null\n{choose_defaults.BEGIN}\n{named}kv_scorer: \"x\"\n"
+                    f"{choose_defaults.END}\n")  # fmt: skip
+    return path
+
+
+def test_a_new_run_is_judged_against_what_the_server_ships_not_a_stale_rule_line(tmp_path):
+    """Step 4 keeps the setting the server ships when it is tied with the best: the one named
+    in default.yaml's chosen block, whatever an old ``current:`` line of the rule says (it
+    named the setting shipped before the last run); re-rendering a recorded decision keeps
+    the current it was made against."""
+    rule_path = tmp_path / "rule.yaml"
+    rule_path.write_text(yaml.safe_dump({**RULE, "budget": 0.1}))  # says "cur", stale
+    # "rival" is the best; "good" is tied with it; "cur" is not.
+    _lm_eval_json(tmp_path / "lm_eval.json", full=(1, 1, 1), cur=(0.2, 0.2, 0.2),
+                  good=(0.6, 0.6, 0.6), rival=(0.62, 0.62, 0.62), rand=(0, 0, 0))
+    shipped = _shipped(tmp_path, "good")
+    assert choose_defaults.shipped_query_aware(shipped) == "good"
+    args = ["--rule", str(rule_path), "--report-only", str(tmp_path / "lm_eval.json"),
+            "--shipped", str(shipped)]  # fmt: skip
+    choose_defaults.main(args)
+    decision = json.loads((tmp_path / "decision.json").read_text())
+    assert (decision["current"], decision["best"], decision["winner"]) == ("good", "rival", "good")
+    assert next(r for r in decision["rows"] if r["candidate"] == "good")["role"] == "current"
+    # The recorded decision keeps its current when the shipped file has moved on since.
+    _shipped(tmp_path, "rival")
+    choose_defaults.main(args)
+    again = json.loads((tmp_path / "decision.json").read_text())
+    assert (again["current"], again["winner"]) == ("good", "good")
+    # With no recorded decision, the shipped file's winner is the current.
+    (tmp_path / "decision.json").unlink()
+    choose_defaults.main(args)
+    assert json.loads((tmp_path / "decision.json").read_text())["current"] == "rival"
+    # A shipped setting the rule does not list cannot be kept by any evidence: refused.
+    (tmp_path / "decision.json").unlink()
+    _shipped(tmp_path, "gone")
+    with pytest.raises(SystemExit, match="not a candidate"):
+        choose_defaults.main(args)
