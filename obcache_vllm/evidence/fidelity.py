@@ -188,15 +188,21 @@ class Arm:
     decode: bool = False
     # An error target (kv_budget {"max_error": e}) instead of the fractional ``budget``.
     max_error: float | None = None
+    # A named selection (``--arms``): these kv_* fields whole, instead of the pipeline's and
+    # scorer's with the grid's window.
+    fields: dict | None = field(default=None, hash=False, compare=False)
 
     def kv(self, sample: Sample) -> dict | None:
         if self.budget is None and self.max_error is None:
             return None
         budget = self.budget if self.max_error is None else {"max_error": self.max_error}
-        kv = {"kv_budget": budget, "kv_pipeline": self.pipeline, "kv_scorer": self.scorer,
-              "kv_decode": self.decode}  # fmt: skip
-        if takes_window(self.pipeline):
-            kv["kv_window"] = 32
+        if self.fields is not None:
+            kv = {**self.fields, "kv_budget": budget, "kv_decode": self.decode}
+        else:
+            kv = {"kv_budget": budget, "kv_pipeline": self.pipeline, "kv_scorer": self.scorer,
+                  "kv_decode": self.decode}  # fmt: skip
+            if takes_window(self.pipeline):
+                kv["kv_window"] = 32
         if self.setting == "agnostic":
             kv["kv_compress_at"] = sample.point
         elif self.setting == "first":  # where "auto" compresses a prompt it has not seen
@@ -216,6 +222,42 @@ def arms(pipelines, scorers, budgets, settings, decode: bool = False) -> list[Ar
                     out.append(Arm(name, pipeline, scorer if scorer != "-" else "attn",
                                    budget, setting, decode))  # fmt: skip
     return out
+
+
+ARM_FIELDS_SET_HERE = ("kv_budget", "kv_compress_at", "kv_decode")
+
+
+def named_arms(selections: dict[str, dict], budgets, settings,
+               decode: bool = False) -> list[Arm]:  # fmt: skip
+    """The full-cache control then every named selection (``{name: kv_* fields}``, e.g. the
+    candidates of ``configs/choose_defaults.yaml``) at every budget and setting, each arm
+    ``NAME@BUDGET/SETTING``. The budget, setting and ``--decode`` set the fields they own."""
+    out = [Arm("full")]
+    for name, fields in selections.items():
+        if not name or any(ch in name for ch in "+@/ "):
+            raise ValueError(f"arm name {name!r}: no '+', '@', '/' or spaces (they split "
+                             "arm names in the reports)")  # fmt: skip
+        owned = sorted(set(fields) & set(ARM_FIELDS_SET_HERE))
+        if owned:
+            raise ValueError(f"arm {name!r} sets {owned}: --budgets, --settings and --decode "
+                             "set those")  # fmt: skip
+        if not all(key.startswith("kv_") for key in fields):
+            raise ValueError(f"arm {name!r}: only kv_* fields ({sorted(fields)})")
+    for setting in settings:
+        for budget in budgets:
+            for name, fields in selections.items():
+                out.append(Arm(f"{name}@{budget:g}/{setting}", fields.get("kv_pipeline"),
+                               fields.get("kv_scorer"), budget, setting, decode,
+                               fields=dict(fields)))  # fmt: skip
+    return out
+
+
+def _method(arm: str) -> tuple[str, str]:
+    """(pipeline, scorer) of a grid arm ``PIPELINE+SCORER@...``; a named arm (``--arms``:
+    no ``+``) is its own pipeline and scorer in the reports."""
+    method = arm.split("@", 1)[0]
+    pipeline, plus, scorer = method.partition("+")
+    return (pipeline, scorer) if plus else (method, method)
 
 
 def slices(ids: Sequence[int], count: int, length: int, seed: int) -> list[list[int]]:
@@ -487,10 +529,9 @@ def render(results: dict) -> str:
     def order(arm: str):
         if arm == "full":
             return ("", 0.0, "")
-        pipeline, rest = arm.split("+", 1)
-        scorer, tail = rest.split("@", 1)
-        budget, setting = tail.split("/")
-        return (setting, float(budget), pipeline + scorer)
+        pipeline, scorer = _method(arm)
+        budget, setting = arm.split("@", 1)[1].split("/")
+        return (setting, float(budget), pipeline + scorer if pipeline != scorer else pipeline)
 
     for arm in sorted(summary, key=order):
         s = summary[arm]
@@ -552,9 +593,8 @@ def plot(results: dict, path: Path) -> Path | None:
     for arm, s in results["summary"].items():
         if arm == "full":
             continue
-        method, tail = arm.split("@", 1)
-        pipeline, scorer = method.split("+", 1)
-        setting = tail.split("/", 1)[1]
+        pipeline, scorer = _method(arm)
+        setting = arm.split("@", 1)[1].split("/", 1)[1]
         point = (s["kept_fraction"][0], s["kl"][0])
         series.setdefault((setting, pipeline, scorer), []).append(point)
     settings = sorted({k[0] for k in series}, key=lambda x: SETTINGS.index(x) if x in SETTINGS
@@ -563,9 +603,11 @@ def plot(results: dict, path: Path) -> Path | None:
     scorers = sorted({k[2] for k in series})
     # Fixed across runs (a run without h2o draws snapkv as every other run does).
     known = sorted(PIPELINES) + sorted(set(pipelines) - set(PIPELINES))
-    styles = dict(zip(known, ["-", "--", ":", "-.", (0, (5, 1))], strict=False))
+    dashes = ["-", "--", ":", "-.", (0, (5, 1))]
+    styles = {p: dashes[i % len(dashes)] for i, p in enumerate(known)}
     known = sorted(SCORERS) + sorted(set(scorers) - set(SCORERS) - {"-"})
-    colours = dict(zip(known, plt.get_cmap("tab10").colors, strict=False))
+    palette = plt.get_cmap("tab20").colors if len(known) > 10 else plt.get_cmap("tab10").colors
+    colours = {c: palette[i % len(palette)] for i, c in enumerate(known)}
     colours["-"] = "black"  # streaming: no scorer
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 5), sharey=True,
                              squeeze=False)  # fmt: skip
@@ -735,7 +777,11 @@ def main(args) -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    arm_list = arms(args.pipelines, args.scorers, args.budgets, args.settings, args.decode)
+    if getattr(args, "arms", None) is not None:
+        arm_list = named_arms(json.loads(args.arms.read_text()), args.budgets, args.settings,
+                              args.decode)  # fmt: skip
+    else:
+        arm_list = arms(args.pipelines, args.scorers, args.budgets, args.settings, args.decode)
 
     def samples_with(reply):
         return make_samples(tok, args.kinds, args.samples, args.prompt_tokens,

@@ -70,6 +70,40 @@ def test_paired_bootstrap_interval_brackets_the_mean_and_pairs_the_draws():
     assert summary["tova+attn@0.2/aware"]["kl"][1] < 2.0 < summary["tova+attn@0.2/aware"]["kl"][2]
 
 
+def test_named_arms_send_their_fields_whole_at_every_budget_and_setting(tmp_path):
+    """``--arms``: a selection measured whole (its own window and per-head choice, not the
+    grid's window 32), named NAME@BUDGET/SETTING, reported and plotted beside the control."""
+    selections = {"tova-shared-w1": {"kv_pipeline": "tova", "kv_per_head": False,
+                                     "kv_window": 1, "kv_scorer": "obcache_key"},
+                  "snap": {"kv_pipeline": "snapkv", "kv_scorer": "dropkv"}}  # fmt: skip
+    arms = fid.named_arms(selections, [0.1, 0.3], ["aware", "agnostic"])
+    assert arms[0].name == "full" and len(arms) == 1 + 2 * 2 * 2
+    sample = fid.Sample("s", "needle", tuple(range(100)), 80)
+    tova = next(a for a in arms if a.name == "tova-shared-w1@0.1/agnostic")
+    assert tova.kv(sample) == {"kv_pipeline": "tova", "kv_per_head": False, "kv_window": 1,
+                               "kv_scorer": "obcache_key", "kv_budget": 0.1,
+                               "kv_decode": False, "kv_compress_at": 80}  # fmt: skip
+    snap = next(a for a in arms if a.name == "snap@0.3/aware")
+    assert "kv_window" not in snap.kv(sample) and snap.kv(sample)["kv_budget"] == 0.3
+    for bad, match in (({"a+b": {}}, "no '\\+'"), ({"a": {"kv_budget": 0.2}}, "kv_budget"),
+                       ({"a": {"budget": 0.2}}, "only kv_")):
+        with pytest.raises(ValueError, match=match):
+            fid.named_arms(bad, [0.1], ["aware"])
+    rows = {s: {"kl": 0.1, "agree": 0.9, "first_divergence": 7, "kept_fraction": 0.1}
+            for s in "ab"}  # fmt: skip
+    per_request = {"full": {s: {**rows[s], "kl": 0.0} for s in "ab"}}
+    per_request.update({a.name: rows for a in arms[1:]})
+    results = {"command": "c", "model_name": "m", "date": "d", "seconds": 1.0,
+               "kinds": "code", "prompt_tokens": 64, "tokens": 8,
+               "samples": [{"name": "a"}, {"name": "b"}], "per_request": per_request,
+               "summary": fid.summarize(per_request, ["a", "b"])}  # fmt: skip
+    fid.write_reports(results, tmp_path)
+    text = (tmp_path / "fidelity.md").read_text()
+    assert all(f"| {a.name} |" in text for a in arms)
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "fidelity.png").stat().st_size > 0
+
+
 def test_report_renders_every_arm(tmp_path):
     rows = {s: {"kl": 0.1, "agree": 0.9, "first_divergence": 7, "kept_fraction": 0.2}
             for s in "ab"}  # fmt: skip

@@ -137,6 +137,10 @@ def _fidelity_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=32, help="forced tokens per prompt")
     p.add_argument("--pipelines", type=csv_list(str), default=["tova", "snapkv"])
     p.add_argument("--scorers", type=csv_list(str), default=list(grid_mod.SCORERS))
+    p.add_argument("--arms", type=Path, default=None, metavar="JSON",
+                   help="named selections instead of the --pipelines x --scorers grid: a JSON "
+                   "object {name: {kv_* fields}} (e.g. scripts/choose_defaults.py's candidates), "
+                   "each measured at every --budgets and --settings")
     p.add_argument("--budgets", type=csv_list(float), default=[0.1, 0.2, 0.3, 0.4],
                    help="fractions of the prompt (of the compressed part when agnostic)")
     p.add_argument("--settings", type=csv_list(str), default=["aware"],
