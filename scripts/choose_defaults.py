@@ -3,6 +3,7 @@
 
     make choose-defaults               # run the evidence, apply the rule, report
     python scripts/choose_defaults.py --only query_agnostic   # one traffic kind's evidence
+    python scripts/choose_defaults.py --only fidelity   # step 3b's evidence, the rest recorded
     make choose-defaults WRITE=1       # ... and write the winner into obcache_vllm/default.yaml
     python scripts/choose_defaults.py --report-only results/choose-defaults/lm_eval.json
 
@@ -10,13 +11,14 @@ The rule, its candidates and its evidence are ``configs/choose_defaults.yaml`` (
 rule is written there in words, and :func:`choose` is that rule). The evidence is
 ``scripts/lm_eval_grid.py`` run with the candidates as named arms (lm-evaluation-harness RULER
 tasks through ``obcache-vllm serve``, the full cache included, the same documents for every
-arm). Writes ``OUT/lm_eval.json`` and ``OUT/lm_eval.md`` (lm_eval_grid's), ``OUT/decision.json``
-and ``OUT/DECISION.md``; each traffic kind of the rule (``traffic:``) gets its own evidence in
-``OUT/KIND/`` and its own winner, a section of the report (the query-aware winner is the one
-shipped); with ``--write``, the winner's fields replace the block between the
-markers in ``obcache_vllm/default.yaml``, and the winner of the kind marked ``ships:
-query_agnostic`` replaces the ``query_agnostic`` block there (what the server applies to a
-request that sets ``kv_compress_at`` to a position and no selection field;
+arm); step 3b's is ``obcache-vllm eval fidelity --arms`` with the candidates, in
+``OUT/fidelity-LENGTH/``. Writes ``OUT/lm_eval.json`` and ``OUT/lm_eval.md`` (lm_eval_grid's),
+``OUT/decision.json`` and ``OUT/DECISION.md``; each traffic kind of the rule (``traffic:``)
+gets its own evidence in ``OUT/KIND/`` and its own winner, a section of the report (the query-
+aware winner is the one shipped); with ``--write``, the winner's fields replace the block
+between the markers in ``obcache_vllm/default.yaml``, and the winner of the kind marked
+``ships: query_agnostic`` replaces the ``query_agnostic`` block there (what the server applies
+to a request that sets ``kv_compress_at`` to a position and no selection field;
 ``tests/unit/test_choose_defaults.py`` checks that the shipped file holds the recorded
 winners).
 """
@@ -57,6 +59,22 @@ def cell_scores(results: dict) -> dict[str, dict[tuple[str, int], dict[int, floa
             for arm, run in results["runs"].items()}  # fmt: skip
 
 
+def fidelity_scores(runs: dict[int, dict]) -> dict[str, dict[tuple[int, str], dict[str, float]]]:
+    """``{candidate: {(length, kind): {prompt: KL}}}`` from ``eval fidelity --arms`` results
+    per prompt length (arms ``NAME@BUDGET/aware``; the full cache left out)."""
+    out: dict[str, dict[tuple[int, str], dict[str, float]]] = {}
+    for length, results in runs.items():
+        kind_of = {s["name"]: s["kind"] for s in results["samples"]}
+        for arm, rows in results["per_request"].items():
+            if arm == "full":
+                continue
+            name = arm.split("@", 1)[0]
+            for prompt, row in rows.items():
+                out.setdefault(name, {}).setdefault((int(length), kind_of[prompt]), {})[
+                    prompt] = float(row["kl"])
+    return out
+
+
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else float("nan")
@@ -77,10 +95,35 @@ def paired(arm: dict, best: dict, cells, resamples: int = 2000, seed: int = 0):
     return point, means[int(0.025 * resamples)], means[min(resamples - 1, int(0.975 * resamples))]
 
 
-def choose(scores: dict, rule: dict) -> dict:
+def narrow_by_fidelity(tied: list[str], kl: dict, rows: list[dict]) -> tuple[str, list[str]]:
+    """Step 3b: the fidelity best (the tied candidate with the lowest mean KL over the cells)
+    and the tied candidates whose paired KL difference to it has an interval reaching 0.
+    Every candidate's row gets its mean KL and its difference to the fidelity best."""
+    cells = sorted({c for name in kl for c in kl[name]})
+    mean_kl = {name: _mean(_mean(kl[name][c].values()) for c in cells if c in kl[name])
+               for name in kl}  # fmt: skip
+    missing = [name for name in tied if name not in kl]
+    if missing:
+        raise SystemExit(f"fidelity evidence: no arm for tied candidates {missing}")
+    best = min(tied, key=lambda n: (mean_kl[n], tied.index(n)))
+    kept = []
+    for row in rows:
+        name = row["candidate"]
+        if name not in kl:
+            continue
+        diff = paired(kl[name], kl[best], cells)
+        row["kl"], row["kl_diff_to_fidelity_best"] = mean_kl[name], diff
+        if name in tied and (name == best or diff[1] <= 0):
+            kept.append(name)
+        row["tied_after_fidelity"] = name in kept
+    return best, kept
+
+
+def choose(scores: dict, rule: dict, fidelity: dict | None = None) -> dict:
     """The rule of ``configs/choose_defaults.yaml`` applied to per-document scores (see there):
     the counted cells, every candidate's score and paired difference to the best, the tied
-    set, the winner (None: insufficient evidence, the current setting stays)."""
+    set (narrowed by step 3b where ``fidelity``, :func:`fidelity_scores`, is given), the
+    winner (None: insufficient evidence, the current setting stays)."""
     full = scores["full"]
     cells = sorted(c for c in full if _mean(full[c].values()) >= rule["min_full"])
     candidates = [name for name in rule["candidates"] if name in scores]
@@ -100,20 +143,31 @@ def choose(scores: dict, rule: dict) -> dict:
                               else "current" if name == rule["current"] else "")})  # fmt: skip
     floor_tied = best is not None and next(r for r in rows
                                            if r["candidate"] == rule["floor"])["tied_with_best"]
+    fidelity_best, kept = None, tied
+    if fidelity and best is not None:
+        fidelity_best, kept = narrow_by_fidelity(tied, fidelity, rows)
     if best is None or floor_tied:
         winner, why = None, ("no cell where the full cache scores at least min_full" if best is None
                              else "the floor (random) is tied with the best: the tasks do not "
                              "tell a real score from none")  # fmt: skip
-    elif rule["current"] in tied:
-        winner, why = rule["current"], "the current setting is tied with the best"
+    elif rule["current"] in kept:
+        winner, why = rule["current"], ("the current setting is tied with the best"
+                                        + (" on accuracy and fidelity" if fidelity else ""))
+    elif fidelity:
+        winner, why = fidelity_best, ("the closest to the full cache of the candidates tied "
+                                      "with the best on accuracy, and the current setting is "
+                                      + ("not tied with the best" if rule["current"] not in tied
+                                         else "further from the full cache"))  # fmt: skip
     else:
         winner, why = best, "the best, and the current setting is not tied with it"
     return {"cells": [list(c) for c in cells], "best": best, "tied": tied, "winner": winner,
-            "why": why, "rows": rows}  # fmt: skip
+            "why": why, "rows": rows, "fidelity_best": fidelity_best,
+            "tied_after_fidelity": kept if fidelity else None}  # fmt: skip
 
 
-def render(decision: dict, rule: dict, results: dict) -> str:
+def render(decision: dict, rule: dict, results: dict, fidelity_runs: dict | None = None) -> str:
     scores = cell_scores(results)
+    with_kl = decision.get("fidelity_best") is not None
     cells = [tuple(c) for c in decision["cells"]]
     head = " | ".join(f"{t} @ {n}" for t, n in cells)
     lines = [  # no heading: the Choosing page includes this file under its own
@@ -125,23 +179,50 @@ def render(decision: dict, rule: dict, results: dict) -> str:
         f"Counted cells (the full cache at least {rule['min_full']}): "
         + (", ".join(f"{t} at {n} tokens" for t, n in cells) or "none") + ".",
         "",
-        f"| candidate | role | {head} | score | Δ best [95 %] | tied |",
-        "|---|---|" + "---|" * len(cells) + "---|---|---|",
+        f"| candidate | role | {head} | score | Δ best [95 %] | tied |"
+        + (" KL(full ‖ ·) | Δ KL fidelity best [95 %] | tied after fidelity |" if with_kl else ""),
+        "|---|---|" + "---|" * len(cells) + "---|---|---|" + ("---|---|---|" if with_kl else ""),
     ]
     full = scores["full"]
     lines.append("| full cache | | " + " | ".join(f"{_mean(full[c].values()):.2f}" for c in cells)
-                 + " | | | |")
+                 + " | | | |" + (" 0 | | |" if with_kl else ""))
     for row in decision["rows"]:
         name = row["candidate"]
         accs = " | ".join(f"{_mean(scores[name][c].values()):.2f}" if c in scores[name] else ""
                           for c in cells)  # fmt: skip
         diff = row["diff_to_best"]
         diff_text = "" if diff is None else f"{diff[0]:+.2f} [{diff[1]:+.2f}, {diff[2]:+.2f}]"
-        lines.append(f"| {name} | {row['role']} | {accs} | {row['score']:.3f} | {diff_text} | "
-                     f"{'yes' if row['tied_with_best'] else 'no'} |")
+        line = (f"| {name} | {row['role']} | {accs} | {row['score']:.3f} | {diff_text} | "
+                f"{'yes' if row['tied_with_best'] else 'no'} |")
+        if with_kl:
+            kl_diff = row.get("kl_diff_to_fidelity_best")
+            kl_text = "" if kl_diff is None else \
+                f"{kl_diff[0]:+.3f} [{kl_diff[1]:+.3f}, {kl_diff[2]:+.3f}]"  # fmt: skip
+            kl = f"{row['kl']:.3f}" if "kl" in row else ""
+            tied_after = ("yes" if row.get("tied_after_fidelity") else "no") \
+                if row["tied_with_best"] and row["candidate"] in decision["tied"] else ""
+            line += f" {kl} | {kl_text} | {tied_after} |"
+        lines.append(line)
     winner = decision["winner"]
     lines += ["", f"Best: `{decision['best']}`. Tied with it: "
-              + ", ".join(f"`{n}`" for n in decision["tied"]) + ".", "",
+              + ", ".join(f"`{n}`" for n in decision["tied"]) + ".", ""]
+    if with_kl:
+        runs = fidelity_runs or {}
+        commands = "; ".join(f"`{r['command']}` ({r['date']}, {r['seconds'] / 60:.0f} min)"
+                             for _, r in sorted(runs.items()))  # fmt: skip
+        kinds = rule["fidelity"]["kinds"]
+        lines += [
+            "Fidelity (step 3b), among the tied: mean KL(full ‖ candidate) in nats per token over "
+            f"{rule['fidelity']['tokens']} forced tokens, {rule['budget']:g} of each prompt "
+            f"kept, the question in the prompt, {rule['fidelity']['samples']} prompts per kind "
+            f"({', '.join(kinds)}) at {', '.join(map(str, sorted(runs)))} tokens, each (length, "
+            f"kind) cell weighing the same; evidence: {commands}.", "",
+            f"Closest to the full cache of the tied: `{decision['fidelity_best']}`. Still tied: "
+            + ", ".join(f"`{n}`" for n in decision["tied_after_fidelity"]) + ".", ""]
+    elif rule.get("fidelity") and decision.get("best") is not None and fidelity_runs is not None:
+        lines += ["No fidelity evidence is recorded with this run (it predates step 3b): "
+                  "accuracy alone decided.", ""]
+    lines += [  # the verdict
               f"**Winner: `{winner}`** ({decision['why']})." if winner else
               f"**No winner** ({decision['why']}): the current setting stays.", ""]  # fmt: skip
     if winner:
@@ -258,6 +339,42 @@ def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str) ->
     return out / "lm_eval.json"
 
 
+def _fidelity_dir(out: Path, length: int) -> Path:
+    return out / f"fidelity-{length}"
+
+
+def _run_fidelity(rule: dict, out: Path, length: int) -> Path:
+    """Step 3b's evidence at one prompt length: ``obcache-vllm eval fidelity --arms`` with
+    every candidate at the rule's budget, the question in the prompt."""
+    spec = rule["fidelity"]
+    where = _fidelity_dir(out, length)
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "arms.json").write_text(json.dumps(rule["candidates"], indent=1) + "\n")
+    cmd = [sys.executable, "-m", "obcache_vllm.cli", "eval", "fidelity",
+           "--arms", _shown(where / "arms.json"), "--kinds", ",".join(spec["kinds"]),
+           "--samples", str(spec["samples"]), "--prompt-tokens", str(length),
+           "--tokens", str(spec["tokens"]), "--budgets", f"{rule['budget']:g}",
+           "--settings", "aware", "--out", _shown(where)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return where / "fidelity.json"
+
+
+def load_fidelity(rule: dict, out: Path) -> dict[int, dict] | None:
+    """The recorded fidelity runs per length (None: the rule has no step 3b; an empty dict:
+    it has, and none is recorded in ``out``)."""
+    if not rule.get("fidelity"):
+        return None
+    runs = {}
+    for length in rule["fidelity"]["lengths"]:
+        path = _fidelity_dir(out, length) / "fidelity.json"
+        if path.exists():
+            runs[int(length)] = json.loads(path.read_text())
+    if runs and len(runs) != len(rule["fidelity"]["lengths"]):
+        raise SystemExit(f"{out}: fidelity evidence for {sorted(runs)} tokens only; the rule "
+                         f"asks for {rule['fidelity']['lengths']} (run --only fidelity)")
+    return runs
+
+
 def traffic_rule(rule: dict, kind: str, shipped: str | None,
                  agnostic: str | None = None) -> dict:  # fmt: skip
     """The rule for one traffic kind: the same, with what the server applies to that traffic
@@ -297,8 +414,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "choose-defaults")
     p.add_argument("--limit", type=int, default=None, help="documents per cell (default: rule)")
     p.add_argument("--only", default=None,
-                   help="run only these evidences (comma-separated: query_aware and the rule's "
-                   "traffic kinds), the others read from OUT")
+                   help="run only these evidences (comma-separated: query_aware, fidelity "
+                   "and the rule's traffic kinds), the others read from OUT")
     p.add_argument("--report-only", type=Path, default=None,
                    help="apply the rule to an lm_eval.json (its traffic kinds beside it in "
                    "KIND/lm_eval.json), running nothing")
@@ -308,10 +425,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rule = load_rule(args.rule)
     kinds = list(rule.get("traffic") or {})
-    only = set(args.only.split(",")) if args.only else {"query_aware", *kinds}
-    unknown = only - {"query_aware", *kinds}
+    evidences = ["query_aware", *(["fidelity"] if rule.get("fidelity") else []), *kinds]
+    only = set(args.only.split(",")) if args.only else set(evidences)
+    unknown = only - set(evidences)
     if unknown:
-        raise SystemExit(f"--only: unknown {sorted(unknown)}; known: query_aware, {kinds}")
+        raise SystemExit(f"--only: unknown {sorted(unknown)}; known: {', '.join(evidences)}")
     out = args.out if args.report_only is None else args.report_only.parent
     source = args.report_only or out / "lm_eval.json"
     if args.report_only is None and "query_aware" in only:
@@ -321,11 +439,16 @@ def main(argv=None) -> int:
     if args.report_only is not None and (out / "decision.json").exists():
         recorded = json.loads((out / "decision.json").read_text())
     rule = {**rule, "current": current_setting(rule, args.shipped, recorded)}
-    decision = choose(cell_scores(results), rule)
+    if args.report_only is None and "fidelity" in only:
+        for length in rule["fidelity"]["lengths"]:
+            _run_fidelity(rule, out, int(length))
+    fidelity_runs = load_fidelity(rule, out)
+    fidelity = fidelity_scores(fidelity_runs) if fidelity_runs else None
+    decision = choose(cell_scores(results), rule, fidelity)
     decision["current"] = rule["current"]
     decision["rule"] = str(args.rule.relative_to(ROOT)) if args.rule.is_relative_to(ROOT) \
         else str(args.rule)  # fmt: skip
-    report = render(decision, rule, results)
+    report = render(decision, rule, results, fidelity_runs)
     decision["traffic"] = {}
     ships = shipping_kind(rule)
     for kind in kinds:

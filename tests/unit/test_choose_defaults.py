@@ -235,3 +235,81 @@ def test_a_new_run_is_judged_against_what_the_server_ships_not_a_stale_rule_line
     _shipped(tmp_path, "gone")
     with pytest.raises(SystemExit, match="not a candidate"):
         choose_defaults.main(args)
+
+
+def _kl(**per_candidate):
+    """Step 3b's evidence: ``{candidate: {(length, kind): {prompt: KL}}}``, 6 prompts a cell,
+    each candidate's KL its value plus a small per-prompt wobble shared by all (paired)."""
+    cells = ((1024, "bible"), (1024, "chats"), (2048, "code"))
+    return {name: {c: {f"{c[1]}-{i}": kl + 0.01 * i for i in range(6)} for c in cells}
+            for name, kl in per_candidate.items()}  # fmt: skip
+
+
+def test_fidelity_narrows_the_accuracy_tied_set_and_can_replace_the_current_setting():
+    """Step 3b: accuracy first; among the tied, one clearly further from the full cache
+    leaves the set, so the current setting stays only if it is still tied."""
+    acc = scores(full=(1, 1, 1), cur=(0.6, 0.6, 0.6), good=(0.62, 0.62, 0.62),
+                 rival=(0.2, 0.2, 0.2), rand=(0, 0, 0))  # fmt: skip
+    # "cur" is tied with "good" on accuracy but clearly further on fidelity: "good" wins.
+    decision = choose_defaults.choose(acc, RULE, _kl(cur=0.5, good=0.3, rival=0.1, rand=0.9))
+    assert decision["tied"] == ["cur", "good"]
+    assert decision["fidelity_best"] == "good" and decision["tied_after_fidelity"] == ["good"]
+    assert decision["winner"] == "good" and "further from the full cache" in decision["why"]
+    # The closest of all ("rival") is not tied on accuracy: fidelity never brings it in.
+    rival = next(r for r in decision["rows"] if r["candidate"] == "rival")
+    assert rival["kl"] < 0.2 and not rival["tied_after_fidelity"]
+    # Tied on both: the current setting stays (no change without evidence).
+    both = choose_defaults.choose(acc, RULE, _kl(cur=0.30, good=0.30, rival=0.1, rand=0.9))
+    assert both["winner"] == "cur" and "accuracy and fidelity" in both["why"]
+    # Without fidelity evidence the rule is steps 1-5 as before.
+    assert choose_defaults.choose(acc, RULE)["winner"] == "cur"
+    # The floor tied with the best still means no winner, whatever fidelity says.
+    flat = scores(full=(1, 1, 1), cur=(0.1, 0.1, 0.1), good=(0.1, 0.1, 0.1),
+                  rival=(0.1, 0.1, 0.1), rand=(0.1, 0.1, 0.1))  # fmt: skip
+    assert choose_defaults.choose(flat, RULE, _kl(cur=0.5, good=0.3, rival=0.1,
+                                                  rand=0.9))["winner"] is None  # fmt: skip
+
+
+def _fidelity_json(path: Path, length: int, kl: dict[str, float]) -> None:
+    """An ``eval fidelity --arms`` result: the candidates at 0.1, aware, two kinds."""
+    samples = [{"name": f"{k}-{i}", "kind": k} for k in ("bible", "code") for i in range(6)]
+    per_request = {f"{name}@0.1/aware": {s["name"]: {"kl": v + 0.001 * n}
+                                         for n, s in enumerate(samples)}
+                   for name, v in kl.items()}  # fmt: skip
+    per_request["full"] = {s["name"]: {"kl": 0.0} for s in samples}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "fidelity.json").write_text(json.dumps({
+        "command": f"obcache-vllm eval fidelity --prompt-tokens {length}", "date": "d",
+        "seconds": 60, "samples": samples, "per_request": per_request}))  # fmt: skip
+
+
+def test_the_command_reads_step_3b_evidence_per_length_and_reports_it(tmp_path):
+    rule = {**RULE, "budget": 0.1, "fidelity": {"kinds": ["bible", "code"],
+                                                "lengths": [1024, 2048], "samples": 6,
+                                                "tokens": 32}}  # fmt: skip
+    rule_path = tmp_path / "rule.yaml"
+    rule_path.write_text(yaml.safe_dump(rule))
+    _lm_eval_json(tmp_path / "lm_eval.json", full=(1, 1, 1), cur=(0.2, 0.2, 0.2),
+                  good=(0.6, 0.6, 0.6), rival=(0.62, 0.62, 0.62), rand=(0, 0, 0))
+    args = ["--rule", str(rule_path), "--report-only", str(tmp_path / "lm_eval.json"),
+            "--shipped", str(_shipped(tmp_path, None))]  # fmt: skip
+    choose_defaults.main(args)  # no fidelity recorded: accuracy alone, and the report says so
+    decision = json.loads((tmp_path / "decision.json").read_text())
+    assert decision["winner"] == "rival" and decision["fidelity_best"] is None
+    assert "No fidelity evidence" in (tmp_path / "DECISION.md").read_text()
+    (tmp_path / "decision.json").unlink()
+    _fidelity_json(tmp_path / "fidelity-1024", 1024, {"cur": 0.5, "good": 0.2, "rival": 0.4,
+                                                      "rand": 0.9})  # fmt: skip
+    with pytest.raises(SystemExit, match="1024"):  # one length of two: refused
+        choose_defaults.main(args)
+    _fidelity_json(tmp_path / "fidelity-2048", 2048, {"cur": 0.6, "good": 0.3, "rival": 0.5,
+                                                      "rand": 0.9})  # fmt: skip
+    choose_defaults.main(args)
+    decision = json.loads((tmp_path / "decision.json").read_text())
+    assert (decision["best"], decision["fidelity_best"], decision["winner"]) == (
+        "rival", "good", "good")
+    report = (tmp_path / "DECISION.md").read_text()
+    assert "Closest to the full cache of the tied: `good`" in report
+    assert "`obcache-vllm eval fidelity --prompt-tokens 2048`" in report
+    row = next(line for line in report.splitlines() if line.startswith("| rival |"))
+    assert row.endswith("| 0.456 | +0.200 [+0.200, +0.200] | no |")  # mean KL over 4 cells
