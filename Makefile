@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim leaderboard lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
-	lm-eval lm-eval-floor-rival choose-defaults error-target error-predictor kvpress-parity adakv local-error \
+	lm-eval lm-eval-floor-rival lm-eval-4k choose-defaults error-target error-predictor kvpress-parity adakv local-error \
 	head-layout
 
 setup:
@@ -112,6 +112,13 @@ lm-eval-floor-rival: setup
 ## obcache_vllm/default.yaml
 choose-defaults: setup
 	$(PY) scripts/choose_defaults.py $(if $(WRITE),--write,)
+
+## The shipped defaults one length past the rule's: niah_single_1 at 4,096 tokens, 10 % kept, 10
+## documents, the shipped selection beside the rival, the floor, snapkv+attn and the
+## query-agnostic winner (configs/lm_eval_4k_arms.json); report in results/lm-eval-4k
+lm-eval-4k: setup
+	$(PY) scripts/lm_eval_grid.py --arms configs/lm_eval_4k_arms.json --tasks niah_single_1 \
+	  --lengths 4096 --limit 10 --max-gen-toks 48 --out results/lm-eval-4k
 
 ## A table in kvpress's leaderboard format from the server: RULER at 2,048 tokens with the
 ## context compressed without its question, 25/50/75 % removed, each host x scorer, random and
