@@ -30,6 +30,9 @@ def outcome(engine, tokenizer):
         fid.Arm("tova+obcache_key@0.25/aware", "tova", "obcache_key", 0.25, "aware"),
         fid.Arm("snapkv+attn@0.25/agnostic", "snapkv", "attn", 0.25, "agnostic"),
         fid.Arm("tova+attn@0.25/aware+decode", "tova", "attn", 0.25, "aware", decode=True),
+        # A named selection (`eval fidelity --arms`): its fields whole, window 8 included.
+        *fid.named_arms({"snap-w8-dropkv": {"kv_pipeline": "snapkv", "kv_scorer": "dropkv",
+                                            "kv_window": 8}}, [0.25], ["aware"])[1:],
     ]
     result = fid.run(engine.llm, samples, arms, TOKENS)
     return samples, arms, result
@@ -70,6 +73,13 @@ def test_budgeted_arms_are_compared_on_the_distribution_vllm_sampled_from(outcom
         assert max(max(result[arm.name][s.name]["kl_by_position"]) for s in samples) > 1e-3
     decode = result["tova+attn@0.25/aware+decode"]
     assert all(decode[s.name]["usage"]["evictions"] >= 1 for s in samples)
+
+
+def test_a_named_arm_runs_the_selection_it_names(outcome):
+    samples, _, result = outcome
+    for s in samples:
+        usage = result["snap-w8-dropkv@0.25/aware"][s.name]["usage"]
+        assert (usage["pipeline"], usage["scorer"]) == ("snapkv", "dropkv"), usage
 
 
 def test_summary_pairs_the_arms(outcome):
