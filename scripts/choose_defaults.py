@@ -265,26 +265,27 @@ def write_agnostic(fields: dict, winner: str, kind: str, path: Path = SHIPPED) -
     path.write_text(_replace_block(path.read_text(), AGNOSTIC_BEGIN, AGNOSTIC_END, block, path))
 
 
+def _named_winner(path: Path, begin: str, end: str) -> str | None:
+    """The ``# winner:`` named in the block of ``path`` between ``begin`` and ``end``, or None
+    (no block, or one naming none)."""
+    text = path.read_text()
+    start = text.find(begin)
+    if start < 0:
+        return None
+    match = re.search(r"^# winner: (\S+) ", text[start:text.find(end, start)], re.M)
+    return match.group(1) if match else None
+
+
 def shipped_agnostic(path: Path = SHIPPED) -> str | None:
     """The winner named in ``default.yaml``'s query-agnostic block, or None (no block, or
     one that ships nothing)."""
-    text = path.read_text()
-    start = text.find(AGNOSTIC_BEGIN)
-    if start < 0:
-        return None
-    match = re.search(r"^# winner: (\S+) ", text[start:text.find(AGNOSTIC_END, start)], re.M)
-    return match.group(1) if match else None
+    return _named_winner(path, AGNOSTIC_BEGIN, AGNOSTIC_END)
 
 
 def shipped_query_aware(path: Path = SHIPPED) -> str | None:
     """The winner named in ``default.yaml``'s chosen block (the query-aware selection the
     server ships now), or None (no block, or one naming none)."""
-    text = path.read_text()
-    start = text.find(BEGIN)
-    if start < 0:
-        return None
-    match = re.search(r"^# winner: (\S+) ", text[start:text.find(END, start)], re.M)
-    return match.group(1) if match else None
+    return _named_winner(path, BEGIN, END)
 
 
 def current_setting(rule: dict, shipped: Path = SHIPPED, recorded: dict | None = None) -> str:
