@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim leaderboard lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
-	lm-eval lm-eval-floor-rival lm-eval-4k choose-defaults error-target error-predictor kvpress-parity adakv local-error \
+	lm-eval lm-eval-floor-rival lm-eval-4k lm-eval-gemma3 choose-defaults error-target error-predictor kvpress-parity adakv local-error \
 	head-layout
 
 setup:
@@ -119,6 +119,14 @@ choose-defaults: setup
 lm-eval-4k: setup
 	$(PY) scripts/lm_eval_grid.py --arms configs/lm_eval_4k_arms.json --tasks niah_single_1 \
 	  --lengths 4096 --limit 10 --max-gen-toks 48 --out results/lm-eval-4k
+
+## The same arms on the second model (Gemma 3 270M, base, hybrid: budgets in its 3 global layers
+## of 18): niah_single_1 at 2,048 tokens, 10 % kept, 10 documents; report in results/lm-eval-gemma3
+GEMMA3 = $(shell $(VENV)/bin/obcache-vllm model path --model gemma-3-270m)
+lm-eval-gemma3: setup
+	$(PY) scripts/lm_eval_grid.py --arms configs/lm_eval_4k_arms.json --tasks niah_single_1 \
+	  --lengths 2048 --limit 10 --max-gen-toks 48 --tokenizer $(GEMMA3) \
+	  --serve-args "$(GEMMA3) --max-model-len 4096" --out results/lm-eval-gemma3
 
 ## A table in kvpress's leaderboard format from the server: RULER at 2,048 tokens with the
 ## context compressed without its question, 25/50/75 % removed, each host x scorer, random and
