@@ -126,7 +126,7 @@ GEMMA3 = $(shell $(VENV)/bin/obcache-vllm model path --model gemma-3-270m)
 lm-eval-gemma3: setup
 	$(PY) scripts/lm_eval_grid.py --arms configs/lm_eval_4k_arms.json --tasks niah_single_1 \
 	  --lengths 2048 --limit 10 --max-gen-toks 48 --tokenizer $(GEMMA3) \
-	  --serve-args "$(GEMMA3) --max-model-len 4096" --out results/lm-eval-gemma3
+	  --serve-args "--model $(GEMMA3) --max-model-len 4096" --out results/lm-eval-gemma3
 
 ## A table in kvpress's leaderboard format from the server: RULER at 2,048 tokens with the
 ## context compressed without its question, 25/50/75 % removed, each host x scorer, random and
