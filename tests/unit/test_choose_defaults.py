@@ -313,3 +313,13 @@ def test_the_command_reads_step_3b_evidence_per_length_and_reports_it(tmp_path):
     assert "`obcache-vllm eval fidelity --prompt-tokens 2048`" in report
     row = next(line for line in report.splitlines() if line.startswith("| rival |"))
     assert row.endswith("| 0.456 | +0.200 [+0.200, +0.200] | no |")  # mean KL over 4 cells
+
+
+def test_the_4k_and_gemma3_checks_send_the_rules_candidates_unchanged():
+    """configs/lm_eval_4k_arms.json (make lm-eval-4k, make lm-eval-gemma3) is a subset of the
+    rule's candidates at the rule's budget, field for field: it cannot drift from them."""
+    rule = choose_defaults.load_rule()
+    arms = json.loads((ROOT / "configs" / "lm_eval_4k_arms.json").read_text())
+    assert {rule["floor"], rule["rival"], choose_defaults.shipped_query_aware()} <= set(arms)
+    for name, fields in arms.items():
+        assert fields == {"kv_budget": rule["budget"], **rule["candidates"][name]}, name
