@@ -4,6 +4,8 @@
     make choose-defaults               # run the evidence, apply the rule, report
     python scripts/choose_defaults.py --only query_agnostic   # one traffic kind's evidence
     python scripts/choose_defaults.py --only fidelity   # step 3b's evidence, the rest recorded
+    python scripts/choose_defaults.py --only query_aware,fidelity --lengths 4096
+                                       # a length the rule gained, added to the recorded ones
     make choose-defaults WRITE=1       # ... and write the winner into obcache_vllm/default.yaml
     python scripts/choose_defaults.py --report-only results/choose-defaults/lm_eval.json
 
@@ -323,21 +325,41 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str) -> Path:
+def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str,
+                  lengths=None) -> Path:  # fmt: skip
     """lm_eval_grid with every candidate as a named arm, at the rule's lengths (``extra``: a
-    traffic kind's fields)."""
+    traffic kind's fields); ``lengths``: only these, added to ``out``'s recorded run of the
+    same arms (lm_eval_grid's ``--add-lengths-to``)."""
     out.mkdir(parents=True, exist_ok=True)
     arms = {name: {"kv_budget": rule["budget"], **fields, **extra}
             for name, fields in rule["candidates"].items()}  # fmt: skip
     (out / "arms.json").write_text(json.dumps(arms, indent=1) + "\n")
     cmd = [sys.executable, str(ROOT / "scripts" / "lm_eval_grid.py"),
            "--arms", _shown(out / "arms.json"), "--tasks", ",".join(rule["tasks"]),
-           "--lengths", ",".join(map(str, rule["lengths"])), "--limit", str(limit or rule["limit"]),
+           "--lengths", ",".join(map(str, lengths or rule["lengths"])),
+           "--limit", str(limit or rule["limit"]),
            "--max-gen-toks", str(rule["max_gen_toks"]), "--out", _shown(out)]  # fmt: skip
+    if lengths:
+        cmd += ["--add-lengths-to", _shown(out / "lm_eval.json")]
     if serve_args:
         cmd += ["--serve-args", serve_args]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return out / "lm_eval.json"
+
+
+def recorded_lengths(results: dict) -> set[int]:
+    """The prompt lengths an lm_eval.json has scores at (any arm, any task)."""
+    return {int(n) for run in results["runs"].values() for per in run["scores"].values()
+            for n in per}  # fmt: skip
+
+
+def check_lengths(rule: dict, results: dict, source: Path) -> None:
+    """Refuse evidence that lacks a length the rule asks for (a rule that gained a length is
+    applied to evidence at that length too, not to the lengths it had)."""
+    missing = sorted(set(map(int, rule.get("lengths", []))) - recorded_lengths(results))
+    if missing:
+        raise SystemExit(f"{source}: no evidence at {missing} tokens, which the rule asks for "
+                         f"(run --only query_aware --lengths {','.join(map(str, missing))})")
 
 
 def _fidelity_dir(out: Path, length: int) -> Path:
@@ -423,6 +445,9 @@ def main(argv=None) -> int:
     p.add_argument("--write", action="store_true", help="write the winner into default.yaml")
     p.add_argument("--shipped", type=Path, default=SHIPPED, help=argparse.SUPPRESS)  # tests
     p.add_argument("--serve-args", default="")
+    p.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                   help="run the query-aware and fidelity evidence at only these of the rule's "
+                   "lengths, added to the lengths recorded in OUT (a length the rule gained)")
     args = p.parse_args(argv)
     rule = load_rule(args.rule)
     kinds = list(rule.get("traffic") or {})
@@ -431,10 +456,18 @@ def main(argv=None) -> int:
     unknown = only - set(evidences)
     if unknown:
         raise SystemExit(f"--only: unknown {sorted(unknown)}; known: {', '.join(evidences)}")
+    if args.lengths:
+        extra = sorted(set(args.lengths) - set(rule["lengths"])
+                       - set((rule.get("fidelity") or {}).get("lengths", [])))
+        if extra:
+            raise SystemExit(f"--lengths: {extra} not among the rule's lengths")
+        if only - {"query_aware", "fidelity"} or args.report_only is not None:
+            raise SystemExit("--lengths: with --only query_aware and/or fidelity")
     out = args.out if args.report_only is None else args.report_only.parent
     source = args.report_only or out / "lm_eval.json"
     if args.report_only is None and "query_aware" in only:
-        source = _run_evidence(rule, out, {}, args.limit, args.serve_args)
+        source = _run_evidence(rule, out, {}, args.limit, args.serve_args,
+                               [n for n in args.lengths or [] if n in rule["lengths"]] or None)
     results = json.loads(source.read_text())
     recorded = None
     if args.report_only is not None and (out / "decision.json").exists():
@@ -442,7 +475,9 @@ def main(argv=None) -> int:
     rule = {**rule, "current": current_setting(rule, args.shipped, recorded)}
     if args.report_only is None and "fidelity" in only:
         for length in rule["fidelity"]["lengths"]:
-            _run_fidelity(rule, out, int(length))
+            if not args.lengths or int(length) in args.lengths:
+                _run_fidelity(rule, out, int(length))
+    check_lengths(rule, results, source)  # after the runs: each length's evidence runs alone
     fidelity_runs = load_fidelity(rule, out)
     fidelity = fidelity_scores(fidelity_runs) if fidelity_runs else None
     decision = choose(cell_scores(results), rule, fidelity)

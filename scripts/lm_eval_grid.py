@@ -202,6 +202,12 @@ def versus(runs: dict[str, dict], baseline: str = "attn") -> list[dict]:
     return rows
 
 
+def _added_what(added: dict) -> str:
+    if "lengths" in added:
+        return "Lengths " + ", ".join(map(str, added["lengths"]))
+    return "Arms " + ", ".join(added["arms"])
+
+
 def render(results: dict) -> str:
     """The markdown report: a table per length, tasks as columns, arms as rows."""
     rows = results["rows"]
@@ -211,8 +217,8 @@ def render(results: dict) -> str:
         "",
         f"Command: `{results['command']}` ({results['seconds']:.0f} s). Every lm_eval command "
         "line is in `lm_eval.json`.",
-        *(f"\nArms {', '.join(a['arms'])} added {a['date']}: `{a['command']}` "
-          f"({a['seconds']:.0f} s)." for a in results.get("added", [])),
+        *(f"\n{_added_what(a)} added {a['date']}: `{a['command']}` ({a['seconds']:.0f} s)."
+          for a in results.get("added", [])),
         "",
         "Accuracy [95 % interval] per task (RULER's string match: 0/1 for one needle, the "
         "fraction found for several; Wilson for 0/1 scores, bootstrap otherwise); "
@@ -363,7 +369,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="an lm_eval.json to add this run's arms to (new names only; its full "
                    "cache pairs with them, so give the tasks, lengths, limit and server "
                    "defaults it ran with): the report is rewritten beside it")
-    return p.parse_args(argv)
+    p.add_argument("--add-lengths-to", type=Path, default=None,
+                   help="an lm_eval.json to add this run's lengths to (the same arms, the same "
+                   "tasks, limit and server defaults, lengths it has not run): a rule that "
+                   "grows a length reruns only that length; the report is rewritten beside it")
+    args = p.parse_args(argv)
+    if args.add_to and args.add_lengths_to:
+        p.error("--add-to and --add-lengths-to: one at a time")
+    return args
 
 
 def refuse_clashes(results: dict, names) -> None:
@@ -382,6 +395,52 @@ def add_run(results: dict, added: dict) -> dict:
            "runs": {**results["runs"], **added["runs"]}}  # fmt: skip
     out["added"] = [*results.get("added", []), {
         k: added[k] for k in ("command", "date", "machine", "lm_eval_version", "seconds", "arms")}]
+    return out
+
+
+def _recorded_lengths(results: dict) -> set[int]:
+    return {int(n) for run in results["runs"].values() for per in run["scores"].values()
+            for n in per}  # fmt: skip
+
+
+def refuse_lengths(results: dict, names, lengths) -> None:
+    """ValueError unless ``names`` are ``results``' arms, in its order, and none of
+    ``lengths`` is recorded there yet."""
+    if list(names) != list(results["arms"]):
+        raise ValueError(f"the arms differ from the results' ({', '.join(results['arms'])})")
+    again = sorted(set(map(int, lengths)) & _recorded_lengths(results))
+    if again:
+        raise ValueError(f"lengths already in the results: {', '.join(map(str, again))}")
+
+
+def add_lengths(results: dict, added: dict) -> dict:
+    """``results`` (a committed lm_eval.json) with a later run of the same arms at new lengths
+    ``added`` merged in: each arm's scores gain the new lengths, its lm_eval commands and
+    seconds are appended, its kept fraction becomes the mean over every request (weighted by
+    the documents each run scored). The arms must be the same, field for field (their
+    documents pair with the full cache's at the new lengths only)."""
+    refuse_lengths(results, added["arms"], _recorded_lengths(added))
+    runs = {}
+    for name in results["arms"]:
+        old, new = results["runs"][name], added["runs"][name]
+        if old["fields"] != new["fields"]:
+            raise ValueError(f"{name}: fields {new['fields']} differ from the results' "
+                             f"{old['fields']}")
+        scores = {t: dict(per) for t, per in old["scores"].items()}
+        for task, per in new["scores"].items():
+            scores.setdefault(task, {}).update(per)
+        count = [sum(len(d) for per in r["scores"].values() for d in per.values())
+                 for r in (old, new)]  # fmt: skip
+        kept = None
+        if old.get("kept_ratio") is not None and new.get("kept_ratio") is not None:
+            kept = (old["kept_ratio"] * count[0] + new["kept_ratio"] * count[1]) / sum(count)
+        runs[name] = {**old, "scores": scores, "kept_ratio": kept,
+                      "command": [*old.get("command", []), *new.get("command", [])],
+                      "seconds": old.get("seconds", 0.0) + new.get("seconds", 0.0)}
+    out = {**results, "runs": runs}
+    out["added"] = [*results.get("added", []), {
+        **{k: added[k] for k in ("command", "date", "machine", "lm_eval_version", "seconds")},
+        "lengths": sorted(_recorded_lengths(added))}]
     return out
 
 
@@ -420,6 +479,13 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as exc:
             print(f"--add-to {args.add_to}: {exc}", file=sys.stderr)
             return 2
+    if args.add_lengths_to:
+        try:
+            refuse_lengths(json.loads(args.add_lengths_to.read_text()),
+                           [a.name for a in planned_arms(args)], args.lengths)
+        except (OSError, ValueError) as exc:
+            print(f"--add-lengths-to {args.add_lengths_to}: {exc}", file=sys.stderr)
+            return 2
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     if args.url:
@@ -444,10 +510,11 @@ def main(argv=None) -> int:
         "lm_eval_version": lm_eval_version(args.lm_eval),
         "seconds": time.monotonic() - started, **grid,
     }  # fmt: skip
-    if args.add_to:
+    if args.add_to or args.add_lengths_to:
         _string_keys(results["runs"])
-        path = args.add_to
-        path.write_text(json.dumps(add_run(json.loads(path.read_text()), results), indent=1)
+        path = args.add_to or args.add_lengths_to
+        merge = add_run if args.add_to else add_lengths
+        path.write_text(json.dumps(merge(json.loads(path.read_text()), results), indent=1)
                         + "\n")  # fmt: skip
         rerender(path)
         print(path.with_suffix(".md").read_text())

@@ -323,3 +323,50 @@ def test_the_4k_and_gemma3_checks_send_the_rules_candidates_unchanged():
     assert {rule["floor"], rule["rival"], choose_defaults.shipped_query_aware()} <= set(arms)
     for name, fields in arms.items():
         assert fields == {"kv_budget": rule["budget"], **rule["candidates"][name]}, name
+
+
+def test_a_length_the_rule_gains_is_required_and_run_alone(tmp_path, monkeypatch):
+    """A rule that gained a length is not applied to evidence without it (refused, naming the
+    command that adds it); ``--lengths`` runs the query-aware evidence at only that length,
+    added to the recorded run (lm_eval_grid's ``--add-lengths-to``), and step 3b's there
+    only; a length the rule does not ask for, or with a traffic kind, is refused."""
+    rule = {**RULE, "budget": 0.1, "lengths": [1024, 2048, 4096], "tasks": ["niah", "hard"],
+            "limit": 40, "max_gen_toks": 48,
+            "fidelity": {"kinds": ["bible"], "lengths": [1024, 4096], "samples": 6, "tokens": 32},
+            "traffic": {"agnostic": {"fields": {"kv_compress_at": -96}, "lengths": [1024]}}}
+    rule_path = tmp_path / "rule.yaml"
+    rule_path.write_text(yaml.safe_dump(rule))
+    _lm_eval_json(tmp_path / "lm_eval.json", full=(1, 1, 1), cur=(0.2, 0.2, 0.2),
+                  good=(0.6, 0.6, 0.6), rival=(0.62, 0.62, 0.62), rand=(0, 0, 0))
+    shipped = str(_shipped(tmp_path, "cur"))
+    with pytest.raises(SystemExit, match=r"no evidence at \[4096\].*--lengths 4096"):
+        choose_defaults.main(["--rule", str(rule_path), "--report-only",
+                              str(tmp_path / "lm_eval.json"), "--shipped", shipped])
+    base = ["--rule", str(rule_path), "--out", str(tmp_path), "--shipped", shipped]
+    with pytest.raises(SystemExit, match="8192"):
+        choose_defaults.main([*base, "--only", "query_aware", "--lengths", "8192"])
+    with pytest.raises(SystemExit, match="--lengths"):
+        choose_defaults.main([*base, "--only", "agnostic", "--lengths", "4096"])
+    ran = []
+
+    def run(cmd, **_):
+        ran.append([str(c) for c in cmd])
+        raise SystemExit("stop here")  # the command is what this test checks
+
+    monkeypatch.setattr(choose_defaults.subprocess, "run", run)
+    with pytest.raises(SystemExit, match="stop here"):
+        choose_defaults.main([*base, "--only", "query_aware,fidelity", "--lengths", "4096"])
+    (grid,) = ran
+    assert grid[grid.index("--lengths") + 1] == "4096"
+    assert grid[grid.index("--add-lengths-to") + 1] == str(tmp_path / "lm_eval.json")
+    # Step 3b at the new length only (the rest of its evidence is read as recorded).
+    ran.clear()
+    with pytest.raises(SystemExit, match="stop here"):
+        choose_defaults.main([*base, "--only", "fidelity", "--lengths", "4096"])
+    (fidelity,) = ran
+    assert fidelity[fidelity.index("--prompt-tokens") + 1] == "4096"
+    monkeypatch.setattr(choose_defaults, "_run_fidelity", lambda *a: ran.append(a[2]))
+    ran.clear()  # each length's evidence runs alone, then the rule wants them all
+    with pytest.raises(SystemExit, match="no evidence at"):
+        choose_defaults.main([*base, "--only", "fidelity", "--lengths", "4096"])
+    assert ran == [4096]

@@ -127,3 +127,53 @@ def test_a_later_run_adds_its_arms_paired_with_the_committed_ones(tmp_path):
                       "--budgets", "0.2", "--settings", "aware", "--no-full",
                       "--lm-eval", str(path)]) == 2  # fmt: skip
     assert not out.exists()  # refused before the run
+
+
+def test_a_later_run_adds_lengths_to_the_same_arms(tmp_path):
+    """``--add-lengths-to``: a run of the same arms at a new length joins a committed
+    lm_eval.json (a rule that gained a length reruns only it): every arm gains the length, its
+    budgeted arms pair with the full cache there, the kept fraction is the mean over both runs'
+    requests; other arms, other fields or a length already recorded are refused."""
+    def run(kept, scores, fields=None):
+        return {"fields": fields or {"kv_budget": 0.1, "kv_scorer": "attn"}, "kept_ratio": kept,
+                "command": [["lm_eval", str(sorted(scores))]], "seconds": 1.0,
+                "scores": {"t": scores}}
+
+    committed = {
+        "command": "first", "date": "d1", "machine": "m", "model": "M", "lm_eval_version": "v",
+        "seconds": 10.0, "arms": ["full", "a"],
+        "runs": {"full": run(None, {"1024": {"0": 1.0, "1": 1.0}}, {"kv_budget": None}),
+                 "a": run(0.1, {"1024": {"0": 1.0, "1": 0.0}})},
+    }  # fmt: skip
+    later = {
+        "command": "second", "date": "d2", "machine": "m", "lm_eval_version": "v",
+        "seconds": 5.0, "arms": ["full", "a"],
+        "runs": {"full": run(None, {"4096": {"0": 1.0, "1": 1.0, "2": 1.0, "3": 1.0}},
+                             {"kv_budget": None}),
+                 "a": run(0.4, {"4096": {"0": 0.0, "1": 0.0, "2": 1.0, "3": 1.0}})},
+    }  # fmt: skip
+    path = tmp_path / "lm_eval.json"
+    path.write_text(json.dumps(grid.add_lengths(committed, later)))
+    grid.rerender(path)
+    results = json.loads(path.read_text())
+    assert results["arms"] == ["full", "a"]
+    assert sorted(results["runs"]["a"]["scores"]["t"]) == ["1024", "4096"]
+    assert abs(results["runs"]["a"]["kept_ratio"] - (0.1 * 2 + 0.4 * 4) / 6) < 1e-9
+    assert len(results["runs"]["a"]["command"]) == 2
+    (row,) = [r for r in results["rows"] if r["arm"] == "a" and r["length"] == 4096]
+    assert row["accuracy"] == 0.5 and row["diff"] == -0.5
+    report = path.with_suffix(".md").read_text()
+    assert "### 4096 tokens" in report and "Lengths 4096 added d2: `second`" in report
+    with pytest.raises(ValueError, match="already in the results: 4096"):
+        grid.add_lengths(results, later)
+    with pytest.raises(ValueError, match="arms differ"):
+        grid.add_lengths(committed, {**later, "arms": ["full"]})
+    other = {**later, "runs": {**later["runs"], "a": run(0.4, {"4096": {"0": 1.0}},
+                                                         {"kv_budget": 0.2})}}  # fmt: skip
+    with pytest.raises(ValueError, match="fields"):
+        grid.add_lengths(committed, other)
+    out = tmp_path / "out"
+    assert grid.main(["--add-lengths-to", str(path), "--out", str(out), "--lengths", "4096",
+                      "--scorers", "attn", "--budgets", "0.2", "--settings", "aware",
+                      "--lm-eval", str(path)]) == 2  # fmt: skip
+    assert not out.exists()  # refused before the run
