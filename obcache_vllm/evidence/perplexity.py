@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -224,6 +225,65 @@ def markdown_table(summary: dict, table_bin: int) -> str:
     return "\n".join(lines)
 
 
+# The references every budgeted method is compared with, where the run has them: the full
+# cache, and at the method's own budget the floor (random scores) and the closest rival.
+PAIRED_REFERENCES = ("full", "h2o+random", "h2o+dropkv")
+
+
+def _units(per_doc: Sequence[dict]) -> list[tuple[float, int]]:
+    """(nll sum, count) per (document, stored bin): the resampling unit of :func:`paired`."""
+    return [(s, c) for d in per_doc for s, c in d["bins"]]
+
+
+def paired(results: dict, name: str, reference: str, resamples: int = 2000,
+           seed: int = 0) -> tuple[float, float, float]:  # fmt: skip
+    """The perplexity ratio of ``name`` to ``reference`` over the same forced tokens, with a
+    95 % paired block-bootstrap interval: the (document, bin) units of both are resampled
+    together (bins of ``results["bin"]`` positions, so the correlation within a bin is kept;
+    between bins it is taken as none). Above 1: ``name`` is further from the text."""
+    a, b = _units(results["methods"][name]), _units(results["methods"][reference])
+    if len(a) != len(b) or any(ca != cb for (_, ca), (_, cb) in zip(a, b, strict=True)):
+        raise ValueError(f"{name} and {reference} were not forced over the same positions")
+
+    def ratio(idx) -> float:
+        count = sum(a[i][1] for i in idx)
+        return math.exp((sum(a[i][0] for i in idx) - sum(b[i][0] for i in idx)) / count)
+
+    rng = random.Random(seed)
+    units = range(len(a))
+    stats = sorted(ratio(rng.choices(units, k=len(a))) for _ in range(resamples))
+    return ratio(units), stats[int(0.025 * resamples)], stats[min(resamples - 1,
+                                                                  int(0.975 * resamples))]
+
+
+def paired_table(results: dict) -> str:
+    """Each budgeted method's perplexity ratio to the full cache and, at its budget, to the
+    floor and the rival (:data:`PAIRED_REFERENCES`), with paired intervals."""
+    info = results["method_info"]
+
+    def at_budget(ref: str, budget) -> str | None:
+        name = ref if ref == "full" else f"{ref}@{budget}"
+        return name if name in results["methods"] else None
+
+    refs = [r for r in PAIRED_REFERENCES
+            if any(at_budget(r, m["budget"]) for m in info.values() if m["budget"])]  # fmt: skip
+    lines = ["| method | " + " | ".join(f"/ {r}" for r in refs) + " |",
+             "|---|" + "---:|" * len(refs)]  # fmt: skip
+    for name, m in info.items():
+        if not m["budget"] or name not in results["methods"]:
+            continue
+        cells = []
+        for ref in refs:
+            other = at_budget(ref, m["budget"])
+            if other is None or other == name:
+                cells.append("")
+                continue
+            r, lo, hi = paired(results, name, other)
+            cells.append(f"{r:.3f} [{lo:.3f}, {hi:.3f}]")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(results: dict, path: Path, plot_bin: int = 256) -> None:
     """Per budget (columns): perplexity vs position (top) and its ratio to the full cache."""
     import matplotlib
@@ -269,6 +329,12 @@ def write_reports(results: dict, out: Path, table_bin: int) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown_table(summarise(results, table_bin), table_bin)
+    if results.get("methods") and "full" in results["methods"] and not results.get("partial"):
+        table += ("\n\nPerplexity ratio over every forced token [95 % paired block-bootstrap "
+                  f"interval: (document, {results['bin']}-position bin) units resampled "
+                  "together]; `/ h2o+random` and `/ h2o+dropkv` compare with the floor and the "
+                  "rival at the method's own budget; above 1 is further from the text.\n\n"
+                  + paired_table(results))  # fmt: skip
     (out / "table.md").write_text(table + "\n")
     plot(results, out / "ppl_vs_position.png")
     return table

@@ -92,10 +92,42 @@ def test_summary_and_table_report_per_bin_and_overall_perplexity():
         ppl.summarise(results, table_bin=100)
 
 
+def test_paired_ratios_resample_the_same_positions_of_both_methods():
+    """The paired interval: a method whose every token is 0.2 nats further from the text than
+    the full cache's has a ratio of exp(0.2) with a zero-width interval (the units move
+    together); a method equal to another has 1; methods forced over other positions are
+    refused; the table compares with the floor and the rival at the method's own budget."""
+    results = _fake_results()  # h2o+attn@64 is 0.2 nats a token above full, everywhere
+    ratio, lo, hi = ppl.paired(results, "h2o+attn@64", "full")
+    assert ratio == pytest.approx(math.exp(0.2)) and lo == pytest.approx(hi)
+    assert ppl.paired(results, "full", "full") == (1.0, 1.0, 1.0)
+    # Noise that is not shared: the interval widens and still holds the ratio.
+    noisy = json.loads(json.dumps(results))
+    for n, unit in enumerate(noisy["methods"]["streaming@64"][0]["bins"]):
+        unit[0] += 5.0 * (-1) ** n
+    ratio, lo, hi = ppl.paired(noisy, "streaming@64", "full")
+    assert lo < ratio < hi and hi - lo > 0.01
+    short = json.loads(json.dumps(results))
+    short["methods"]["streaming@64"][0]["bins"].pop()
+    with pytest.raises(ValueError, match="same positions"):
+        ppl.paired(short, "streaming@64", "full")
+    floor = json.loads(json.dumps(results))  # add the floor at 64, 0.1 nats below attn
+    floor["methods"]["h2o+random@64"] = [
+        {**d, "bins": [[s - 0.1 * c, c] for s, c in d["bins"]]}
+        for d in floor["methods"]["h2o+attn@64"]]  # fmt: skip
+    floor["method_info"]["h2o+random@64"] = {"budget": 64, "kv": {}}
+    lines = ppl.paired_table(floor).splitlines()
+    assert lines[0] == "| method | / full | / h2o+random |"
+    row = next(line for line in lines if line.startswith("| h2o+attn@64 |"))
+    assert f"| {math.exp(0.1):.3f} [" in row
+    assert next(line for line in lines if line.startswith("| h2o+random@64 |")).endswith("|  |")
+
+
 def test_write_reports_writes_json_table_and_png(tmp_path):
     table = ppl.write_reports(_fake_results(), tmp_path, table_bin=128)
     assert json.loads((tmp_path / "results.json").read_text())["bin"] == ppl.BIN
     assert (tmp_path / "table.md").read_text().strip() == table
+    assert "| h2o+attn@64 | 1.221 [1.221, 1.221] |" in table  # the paired ratios follow
     assert (tmp_path / "ppl_vs_position.png").read_bytes()[:4] == b"\x89PNG"
 
 
