@@ -514,6 +514,9 @@ def render(results: dict) -> str:
     estimate = results.get("estimate")
     lines = [
         f"Command: `{results['command']}`  ",
+        *(f"{len(a['arms'])} arms added {a['date']} ({a['seconds']:.0f} s, the full cache "
+          f"checked against the recorded one): `{a['command']}`  "
+          for a in results.get("added", [])),
         f"Model {results['model_name']}, {results['date']}, {results['seconds']:.0f} s; "
         f"{len(results['samples'])} prompts ({results['kinds']}), {_lengths(results)}, "
         f"{results['tokens']} forced tokens (the full cache's greedy "
@@ -576,6 +579,46 @@ def render(results: dict) -> str:
             lines.append(f"| {arm} | {ratio} | {c['covered']:.3f} | {c['agree_same']:.0%} | "
                          f"{c['first_same']:.0%} |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+# How far a later run's full-cache log-probs may be from the recorded ones for its arms to be
+# added to the recorded run (float32 on the same build; batches differ, so not bit-equal).
+ADD_TOLERANCE = 1e-3
+# What must be the same for a later run's arms to be paired with a recorded run's.
+SAME_SETUP = ("kinds", "prompt_tokens", "question_tokens", "tokens", "kv_cache_dtype",
+              "reference_kv_cache_dtype")  # fmt: skip
+
+
+def add_arms(recorded: dict, later: dict) -> dict:
+    """``recorded`` (a fidelity.json) with the arms of ``later`` (a run on the same prompts
+    whose other arms are new) added: the prompts, their lengths and the setup must be the same,
+    and the later run's full cache must reproduce the recorded one's forced log-probs within
+    :data:`ADD_TOLERANCE` on every prompt (the same continuation, the same reference), or
+    ValueError. The summary is derived again; ``added`` records the later command."""
+    for key in SAME_SETUP:
+        if recorded.get(key, "auto") != later.get(key, "auto"):
+            raise ValueError(f"{key}: {later.get(key)!r} differs from the recorded "
+                             f"{recorded.get(key)!r}")  # fmt: skip
+    if json.loads(json.dumps(later["samples"])) != recorded["samples"]:  # tuples as JSON has them
+        raise ValueError("the prompts differ from the recorded ones (kinds, samples, seed)")
+    for name, row in recorded["per_request"]["full"].items():
+        got = later["per_request"]["full"][name]["logprobs"]
+        gap = max((abs(a - b) for a, b in zip(got, row["logprobs"], strict=True)), default=0.0)
+        if gap > ADD_TOLERANCE:
+            raise ValueError(f"{name}: the full cache's log-probs differ from the recorded "
+                             f"ones by {gap:.2g} (> {ADD_TOLERANCE}): not the same reference")
+    new = [a for a in later["arms"] if a["name"] != "full"]
+    clash = sorted({a["name"] for a in new} & set(recorded["per_request"]))
+    if clash:
+        raise ValueError(f"arms already recorded: {', '.join(clash)}")
+    per_request = {**recorded["per_request"],
+                   **{a["name"]: later["per_request"][a["name"]] for a in new}}  # fmt: skip
+    names = [s["name"] for s in recorded["samples"]]
+    return {**recorded, "arms": [*recorded["arms"], *new], "per_request": per_request,
+            "summary": summarize(per_request, names),
+            "added": [*recorded.get("added", []),
+                      {"command": later["command"], "date": later["date"],
+                       "seconds": later["seconds"], "arms": [a["name"] for a in new]}]}
 
 
 def plot(results: dict, path: Path) -> Path | None:
@@ -766,6 +809,12 @@ def main(args) -> int:
         for path in write_reports(results, args.out):
             print(path)
         return 0
+    recorded = None
+    if getattr(args, "add_to", None) is not None:
+        if args.server or args.check_topk:
+            print("--add-to: in process only, without --check-topk", file=sys.stderr)
+            return 2
+        recorded = json.loads(args.add_to.read_text())
     from obcache_vllm.evidence.perplexity import in_process_engine
 
     if args.server:
@@ -782,6 +831,12 @@ def main(args) -> int:
                               args.decode)  # fmt: skip
     else:
         arm_list = arms(args.pipelines, args.scorers, args.budgets, args.settings, args.decode)
+    if recorded is not None:  # the full cache again, as the check that the reference is the same
+        have = recorded["per_request"]
+        arm_list = [a for a in arm_list if a.name == "full" or a.name not in have]
+        if len(arm_list) == 1:
+            print(f"--add-to {args.add_to}: it has every arm asked for", file=sys.stderr)
+            return 2
 
     def samples_with(reply):
         return make_samples(tok, args.kinds, args.samples, args.prompt_tokens,
@@ -853,6 +908,13 @@ def main(args) -> int:
         "per_request": per_request,
         "summary": summarize(per_request, names),
     }
+    if recorded is not None:
+        try:
+            results = add_arms(recorded, results)
+        except ValueError as exc:
+            print(f"--add-to {args.add_to}: {exc}; nothing written", file=sys.stderr)
+            return 2
+        args.out = args.add_to.parent
     for path in write_reports(results, args.out):
         print(path)
     return 0

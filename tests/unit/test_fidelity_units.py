@@ -122,6 +122,56 @@ def test_report_renders_every_arm(tmp_path):
     assert (tmp_path / "fidelity.json").exists() and len(paths) >= 2
 
 
+def _run(arms: dict[str, float], full_logprobs=(-1.0, -2.0), **setup) -> dict:
+    """A fidelity.json of two prompts: each arm's KL its value (plus 0.01 on prompt b)."""
+    def row(kl, logprobs=None):
+        return {"kl": kl, "agree": 1.0, "first_divergence": 8, "kept_fraction": 0.2,
+                "logprobs": list(logprobs or [])}
+
+    per_request = {"full": {s: row(0.0, full_logprobs) for s in "ab"}}
+    per_request.update({a: {"a": row(kl), "b": row(kl + 0.01)} for a, kl in arms.items()})
+    return {"command": f"obcache-vllm eval fidelity {' '.join(arms)}", "model_name": "m",
+            "date": "d", "seconds": 1.0, "kinds": "code", "prompt_tokens": 64, "tokens": 2,
+            "question_tokens": 32, "kv_cache_dtype": "auto", "reference_kv_cache_dtype": "auto",
+            "samples": [{"name": "a", "kind": "code", "tokens": 64, "point": None},
+                        {"name": "b", "kind": "code", "tokens": 64, "point": None}],
+            "arms": [{"name": n} for n in ["full", *arms]], "per_request": per_request,
+            "summary": fid.summarize(per_request, ["a", "b"]), **setup}  # fmt: skip
+
+
+def test_a_later_runs_arms_join_a_recorded_run_on_the_same_reference(tmp_path):
+    """``--add-to``: arms a recorded run predates (random, the rival) join its table, paired
+    with its arms over the same prompts (``random`` gets its KL − attn's); refused, with
+    nothing changed, when the later run's full cache is not the recorded one, the prompts or
+    the setup differ, or an arm is already there."""
+    recorded = _run({"tova+attn@0.1/aware": 0.2})
+    later = _run({"tova+random@0.1/aware": 0.5}, full_logprobs=(-1.0, -2.0002))
+    merged = fid.add_arms(recorded, later)
+    assert [a["name"] for a in merged["arms"]] == ["full", "tova+attn@0.1/aware",
+                                                   "tova+random@0.1/aware"]  # fmt: skip
+    assert merged["per_request"]["full"] == recorded["per_request"]["full"]
+    diff = merged["summary"]["tova+random@0.1/aware"]["kl_minus_attn"]
+    assert diff[0] == pytest.approx(0.3) and diff[1] == pytest.approx(0.3)
+    assert merged["added"] == [{"command": later["command"], "date": "d", "seconds": 1.0,
+                                "arms": ["tova+random@0.1/aware"]}]  # fmt: skip
+    fid.write_reports(merged, tmp_path)
+    text = (tmp_path / "fidelity.md").read_text()
+    assert "| tova+random@0.1/aware |" in text
+    assert f"1 arms added d (1 s, the full cache checked against the recorded one): " \
+        f"`{later['command']}`" in text  # fmt: skip
+    with pytest.raises(ValueError, match="log-probs differ"):
+        fid.add_arms(recorded, _run({"tova+random@0.1/aware": 0.5}, full_logprobs=(-1.0, -2.1)))
+    other = _run({"tova+random@0.1/aware": 0.5})
+    other["samples"][1]["tokens"] = 63
+    with pytest.raises(ValueError, match="prompts differ"):
+        fid.add_arms(recorded, other)
+    with pytest.raises(ValueError, match="tokens"):
+        fid.add_arms(recorded, _run({"tova+random@0.1/aware": 0.5}, tokens=4))
+    with pytest.raises(ValueError, match="already recorded"):
+        fid.add_arms(recorded, _run({"tova+attn@0.1/aware": 0.2}))
+    assert [a["name"] for a in recorded["arms"]] == ["full", "tova+attn@0.1/aware"]
+
+
 def test_code_text_is_pythons_own_source():
     text = fid.code_text()
     assert "class ArgumentParser" in text and len(text) > 100_000

@@ -162,6 +162,10 @@ def _fidelity_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("results/fidelity"))
     p.add_argument("--report-only", type=Path, default=None,
                    help="re-render the report from a fidelity.json")
+    p.add_argument("--add-to", type=Path, default=None, metavar="FIDELITY_JSON",
+                   help="in process: run only the arms this fidelity.json lacks (a scorer the "
+                   "run predates) on its prompts, the full cache again and checked against the "
+                   "recorded one, and add them to it; its reports are rewritten beside it")
     p.add_argument("--server", default=None, metavar="URL",
                    help="measure through this OpenAI-compatible server instead of in process: "
                    "KL estimated from --top-k log-probabilities (a lower bound)")
