@@ -325,25 +325,35 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def tasks_at(rule: dict, length: int) -> list[str]:
+    """The tasks the rule runs at ``length``: ``tasks_at`` where it names the length, else
+    ``tasks``."""
+    return list((rule.get("tasks_at") or {}).get(int(length), rule["tasks"]))
+
+
 def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str,
                   lengths=None) -> Path:  # fmt: skip
     """lm_eval_grid with every candidate as a named arm, at the rule's lengths (``extra``: a
-    traffic kind's fields); ``lengths``: only these, added to ``out``'s recorded run of the
-    same arms (lm_eval_grid's ``--add-lengths-to``)."""
+    traffic kind's fields), one run per set of tasks (``tasks_at``), each after the first added
+    to it (lm_eval_grid's ``--add-lengths-to``); ``lengths``: only these, all added to
+    ``out``'s recorded run of the same arms."""
     out.mkdir(parents=True, exist_ok=True)
     arms = {name: {"kv_budget": rule["budget"], **fields, **extra}
             for name, fields in rule["candidates"].items()}  # fmt: skip
     (out / "arms.json").write_text(json.dumps(arms, indent=1) + "\n")
-    cmd = [sys.executable, str(ROOT / "scripts" / "lm_eval_grid.py"),
-           "--arms", _shown(out / "arms.json"), "--tasks", ",".join(rule["tasks"]),
-           "--lengths", ",".join(map(str, lengths or rule["lengths"])),
-           "--limit", str(limit or rule["limit"]),
-           "--max-gen-toks", str(rule["max_gen_toks"]), "--out", _shown(out)]  # fmt: skip
-    if lengths:
-        cmd += ["--add-lengths-to", _shown(out / "lm_eval.json")]
-    if serve_args:
-        cmd += ["--serve-args", serve_args]
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for length in lengths or rule["lengths"]:
+        groups.setdefault(tuple(tasks_at(rule, length)), []).append(int(length))
+    for n, (tasks, group) in enumerate(groups.items()):
+        cmd = [sys.executable, str(ROOT / "scripts" / "lm_eval_grid.py"),
+               "--arms", _shown(out / "arms.json"), "--tasks", ",".join(tasks),
+               "--lengths", ",".join(map(str, group)), "--limit", str(limit or rule["limit"]),
+               "--max-gen-toks", str(rule["max_gen_toks"]), "--out", _shown(out)]  # fmt: skip
+        if lengths or n:
+            cmd += ["--add-lengths-to", _shown(out / "lm_eval.json")]
+        if serve_args:
+            cmd += ["--serve-args", serve_args]
+        subprocess.run(cmd, check=True, cwd=ROOT)
     return out / "lm_eval.json"
 
 

@@ -370,3 +370,32 @@ def test_a_length_the_rule_gains_is_required_and_run_alone(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match="no evidence at"):
         choose_defaults.main([*base, "--only", "fidelity", "--lengths", "4096"])
     assert ran == [4096]
+
+
+def test_a_length_may_run_its_own_tasks_added_to_the_others(tmp_path, monkeypatch):
+    """``tasks_at``: a length with its own tasks is its own lm_eval_grid run, added to the
+    first (``--add-lengths-to``), in a whole run and with ``--lengths``."""
+    rule = {**RULE, "budget": 0.1, "lengths": [1024, 2048, 4096], "tasks": ["niah", "hard"],
+            "tasks_at": {4096: ["niah"]}, "limit": 20, "max_gen_toks": 48}
+    rule_path = tmp_path / "rule.yaml"
+    rule_path.write_text(yaml.safe_dump(rule))
+    ran = []
+
+    def run(cmd, **_):
+        cmd = [str(c) for c in cmd]
+        ran.append({k: cmd[cmd.index(k) + 1] for k in ("--tasks", "--lengths")}
+                   | {"add": "--add-lengths-to" in cmd})
+        if len(ran) == 2:
+            raise SystemExit("stop here")
+
+    monkeypatch.setattr(choose_defaults.subprocess, "run", run)
+    base = ["--rule", str(rule_path), "--out", str(tmp_path),
+            "--shipped", str(_shipped(tmp_path, "cur"))]  # fmt: skip
+    with pytest.raises(SystemExit, match="stop here"):
+        choose_defaults.main([*base, "--only", "query_aware"])
+    assert ran == [{"--tasks": "niah,hard", "--lengths": "1024,2048", "add": False},
+                   {"--tasks": "niah", "--lengths": "4096", "add": True}]
+    ran.clear()
+    with pytest.raises(FileNotFoundError):  # nothing ran, so nothing recorded to read
+        choose_defaults.main([*base, "--only", "query_aware", "--lengths", "4096"])
+    assert ran == [{"--tasks": "niah", "--lengths": "4096", "add": True}]
