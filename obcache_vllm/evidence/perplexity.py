@@ -330,11 +330,15 @@ def write_reports(results: dict, out: Path, table_bin: int) -> str:
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown_table(summarise(results, table_bin), table_bin)
     if results.get("methods") and "full" in results["methods"] and not results.get("partial"):
+        paired_rows = paired_table(results)
+        named = {"h2o+random": "the floor", "h2o+dropkv": "the rival"}
+        others = [f"`/ {r}` with {what}" for r, what in named.items()
+                  if f"/ {r} |" in paired_rows.splitlines()[0]]  # fmt: skip
         table += ("\n\nPerplexity ratio over every forced token [95 % paired block-bootstrap "
                   f"interval: (document, {results['bin']}-position bin) units resampled "
-                  "together]; `/ h2o+random` and `/ h2o+dropkv` compare with the floor and the "
-                  "rival at the method's own budget; above 1 is further from the text.\n\n"
-                  + paired_table(results))  # fmt: skip
+                  "together]; above 1 is further from the text"
+                  + (f"; {' and '.join(others)} at the method's own budget" if others else "")
+                  + ".\n\n" + paired_rows)  # fmt: skip
     (out / "table.md").write_text(table + "\n")
     plot(results, out / "ppl_vs_position.png")
     return table
