@@ -514,7 +514,7 @@ def render(results: dict) -> str:
     estimate = results.get("estimate")
     lines = [
         f"Command: `{results['command']}`  ",
-        *(f"{len(a['arms'])} arms added {a['date']} ({a['seconds']:.0f} s, the full cache "
+        *(f"{len(a['arms'])} arm{'s' * (len(a['arms']) != 1)} added {a['date']} ({a['seconds']:.0f} s, the full cache "
           f"checked against the recorded one): `{a['command']}`  "
           for a in results.get("added", [])),
         f"Model {results['model_name']}, {results['date']}, {results['seconds']:.0f} s; "

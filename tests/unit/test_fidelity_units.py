@@ -157,7 +157,7 @@ def test_a_later_runs_arms_join_a_recorded_run_on_the_same_reference(tmp_path):
     fid.write_reports(merged, tmp_path)
     text = (tmp_path / "fidelity.md").read_text()
     assert "| tova+random@0.1/aware |" in text
-    assert f"1 arms added d (1 s, the full cache checked against the recorded one): " \
+    assert f"1 arm added d (1 s, the full cache checked against the recorded one): " \
         f"`{later['command']}`" in text  # fmt: skip
     with pytest.raises(ValueError, match="log-probs differ"):
         fid.add_arms(recorded, _run({"tova+random@0.1/aware": 0.5}, full_logprobs=(-1.0, -2.1)))
