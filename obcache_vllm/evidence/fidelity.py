@@ -450,10 +450,16 @@ def interval(values: Sequence[float], draws: list[list[int]]) -> tuple[float, fl
     return sum(values) / len(values), lo, hi
 
 
+# The closest published rival (kvpress's DropKV): every scored arm of a run that has it is
+# paired with it too.
+RIVAL = "dropkv"
+
+
 def summarize(per_request: dict[str, dict[str, dict]], samples: Sequence[str]) -> dict:
     """Per arm: mean and paired-bootstrap interval of KL, agreement, first divergence and
-    kept fraction over ``samples``; per scored arm the difference to ``attn`` (same pipeline,
-    budget and setting) with its paired interval. Arms missing a sample are left out."""
+    kept fraction over ``samples``; per scored arm the difference to ``attn`` and to the
+    rival (:data:`RIVAL`; same pipeline, budget and setting) with its paired interval. Arms
+    missing a sample are left out."""
     draws = bootstrap_draws(len(samples))
     out: dict[str, dict] = {}
     for arm, rows in per_request.items():
@@ -473,6 +479,12 @@ def summarize(per_request: dict[str, dict[str, dict]], samples: Sequence[str]) -
             continue
         diff = [per_request[arm][s]["kl"] - per_request[base][s]["kl"] for s in samples]
         out[arm]["kl_minus_attn"] = [round(x, 6) for x in interval(diff, draws)]
+    for arm in out:  # against the closest rival, the same pipeline, budget and setting
+        pipeline, _, rest = arm.partition("+")
+        rival = f"{pipeline}+{RIVAL}@{rest.partition('@')[2]}"
+        if rest and not rest.startswith(f"{RIVAL}@") and rival in out:
+            diff = [per_request[arm][s]["kl"] - per_request[rival][s]["kl"] for s in samples]
+            out[arm]["kl_minus_rival"] = [round(x, 6) for x in interval(diff, draws)]
     for arm in out:  # an allocation against its uniform host: same scorer, budget, setting
         pipeline, _, rest = arm.partition("+")
         host = f"{host_of(pipeline)}+{rest}" if host_of(pipeline) else None
@@ -512,10 +524,12 @@ def render(results: dict) -> str:
     """fidelity.md: the command, the samples, one row per arm."""
     summary = results["summary"]
     estimate = results.get("estimate")
+    with_rival = any("kl_minus_rival" in row for row in summary.values())
     lines = [
         f"Command: `{results['command']}`  ",
-        *(f"{len(a['arms'])} arm{'s' * (len(a['arms']) != 1)} added {a['date']} ({a['seconds']:.0f} s, the full cache "
-          f"checked against the recorded one): `{a['command']}`  "
+        *(f"{len(a['arms'])} arm{'s' * (len(a['arms']) != 1)} added {a['date']} "
+          f"({a['seconds']:.0f} s, the full cache checked against the recorded one): "
+          f"`{a['command']}`  "
           for a in results.get("added", [])),
         f"Model {results['model_name']}, {results['date']}, {results['seconds']:.0f} s; "
         f"{len(results['samples'])} prompts ({results['kinds']}), {_lengths(results)}, "
@@ -525,8 +539,9 @@ def render(results: dict) -> str:
         + _reference_note(results),
         "",
         f"| arm | kept fraction | KL(full ‖ arm){' estimate' if estimate else ''}, nats/token | "
-        "top-1 agreement | first divergence (token) | KL − attn's |",
-        "|---|---|---|---|---|---|",
+        "top-1 agreement | first divergence (token) | KL − attn's |"
+        + (f" KL − {RIVAL}'s |" if with_rival else ""),
+        "|---|---|---|---|---|---|" + ("---|" if with_rival else ""),
     ]
 
     def order(arm: str):
@@ -539,9 +554,11 @@ def render(results: dict) -> str:
     for arm in sorted(summary, key=order):
         s = summary[arm]
         diff = _fmt(s["kl_minus_attn"], 4) if "kl_minus_attn" in s else "-"
+        rival = (_fmt(s["kl_minus_rival"], 4) if "kl_minus_rival" in s else "-") + " |"
         lines.append(
             f"| {arm} | {s['kept_fraction'][0]:.3f} | {_fmt(s['kl'], 4)} | "
             f"{_fmt(s['agree'], 3)} | {_fmt(s['first_divergence'], 1)} | {diff} |"
+            + (f" {rival}" if with_rival else "")
         )
     paired = sorted((arm for arm in summary if "kl_minus_host" in summary[arm]), key=order)
     if paired:

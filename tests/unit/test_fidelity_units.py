@@ -139,6 +139,22 @@ def _run(arms: dict[str, float], full_logprobs=(-1.0, -2.0), **setup) -> dict:
             "summary": fid.summarize(per_request, ["a", "b"]), **setup}  # fmt: skip
 
 
+def test_every_scored_arm_is_paired_with_the_rival_where_the_run_has_it(tmp_path):
+    """``KL − dropkv's``: each scored arm against the rival of the same pipeline, budget and
+    setting, paired over the prompts; the column is shown only where a run has the rival."""
+    run = _run({"tova+attn@0.1/aware": 0.2, "tova+obcache_key@0.1/aware": 0.15,
+                "tova+dropkv@0.1/aware": 0.1, "snapkv+obcache_key@0.1/aware": 0.3})
+    summary = run["summary"]
+    assert summary["tova+obcache_key@0.1/aware"]["kl_minus_rival"][0] == pytest.approx(0.05)
+    assert summary["tova+attn@0.1/aware"]["kl_minus_rival"][0] == pytest.approx(0.1)
+    assert "kl_minus_rival" not in summary["tova+dropkv@0.1/aware"]
+    assert "kl_minus_rival" not in summary["snapkv+obcache_key@0.1/aware"]  # no snapkv rival
+    text = fid.render(run)
+    assert "| KL − dropkv's |" in text
+    assert text.count("| - |") >= 2  # full, and snapkv's arm without a rival
+    assert "dropkv's" not in fid.render(_run({"tova+attn@0.1/aware": 0.2}))
+
+
 def test_a_later_runs_arms_join_a_recorded_run_on_the_same_reference(tmp_path):
     """``--add-to``: arms a recorded run predates (random, the rival) join its table, paired
     with its arms over the same prompts (``random`` gets its KL − attn's); refused, with
