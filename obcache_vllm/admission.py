@@ -840,6 +840,24 @@ def kl_calibration_refusal(vllm_config, options: KvOptions) -> tuple[str, str] |
     return None
 
 
+def kl_selection(vllm_config, request: KvRequest) -> KvRequest:
+    """A KL target (``max_kl``) whose request named no selection field, with the selection
+    its model's calibration was measured with in place of the server's defaults: a predicted
+    KL holds for that selection only (:func:`kl_calibration_refusal` refuses any other), and
+    the shipped defaults are chosen for accuracy, not for the calibration. Any other request,
+    or a model without a calibration (refused later, naming it), is returned as it is."""
+    budget = request.budget
+    if not (isinstance(budget, options.ErrorTarget) and budget.kl):
+        return request
+    from obcache_vllm.scoring import calibration
+
+    model = vllm_config.model_config
+    found = calibration.for_model(model.model, model.get_num_layers(vllm_config.parallel_config))
+    if found is None:
+        return request
+    return dataclasses.replace(request, **{k: found.setting[k] for k in calibration.SETTING_FIELDS})
+
+
 def request_refusal(vllm_config, capabilities: Capabilities, options: KvOptions) -> None:
     """What this engine cannot serve of these resolved options: an error target with tensor
     parallelism (each rank would choose from its own KV heads), :func:`heads_memory_refusal`,
@@ -973,10 +991,14 @@ class Requested:
     ``waived_below``: where the budget is the server policy's (the client asked for none),
     the prompt length under which the policy does not apply and the request is served as
     stock vLLM; None for the client's own budget, which is never waived.
+    ``selection_named``: the request named one of :data:`SELECTION_FIELDS` itself (False: its
+    selection is the server's defaults', which a KL target replaces with its calibration's:
+    :meth:`Admission.admit`).
     """
 
     request: KvRequest
     waived_below: int | None = None
+    selection_named: bool = True
 
 
 @dataclass(frozen=True)
@@ -1010,7 +1032,8 @@ def parse(fields: Mapping[str, Any] | None, policy: Policy | None = None) -> Req
     request = parse_request(merged)
     if request is None:
         return None
-    return Requested(request, policy.min_prompt_tokens if from_policy else None)
+    return Requested(request, policy.min_prompt_tokens if from_policy else None,
+                     selection_named=any(f in fields for f in SELECTION_FIELDS))  # fmt: skip
 
 
 # The front end's own extra_args keys, one type each, while a served request is between its
@@ -1163,6 +1186,8 @@ class Admission:
         request, threshold = requested.request, requested.waived_below
         if threshold is not None and prompt.length < threshold:
             return None
+        if not requested.selection_named:
+            request = kl_selection(self.vllm_config, request)
         try:
             options = self._decide(request, prompt)
         except KvOptionsError:

@@ -273,8 +273,9 @@ def test_an_error_target_chooses_its_budget_and_reports_it(server: Server) -> No
 
 
 def test_a_kl_target_chooses_its_budget_in_nats_and_reports_it(server: Server) -> None:
-    """``kv_budget: {"max_kl": nats}`` with the server's shipped selection (the one the default
-    model's calibration was measured with): the choice and its predicted KL are reported in
+    """``kv_budget: {"max_kl": nats}`` naming no selection field: served with the selection
+    the default model's calibration was measured with (``snapkv``, ``obcache_key``), whatever
+    the server ships for other requests; the choice and its predicted KL are reported in
     ``usage.obcache``; a looser target keeps no more tokens."""
     client = _client(server)
     prompt = _long_text(30, seed=5)
@@ -286,7 +287,8 @@ def test_a_kl_target_chooses_its_budget_in_nats_and_reports_it(server: Server) -
         kv = _obcache_usage(reply.usage)
         n = reply.usage.prompt_tokens
         assert kv["max_kl"] == nats and "max_error" not in kv, kv
-        assert kv["pipeline"] == "snapkv" and kv["budget_floor"] <= kv.get("budget", n)
+        assert (kv["pipeline"], kv["scorer"]) == ("snapkv", "obcache_key"), kv
+        assert kv["budget_floor"] <= kv.get("budget", n)
         if "chosen_budget" in kv:
             assert 0 <= kv["estimated_kl"] <= nats
             assert kv["freed_blocks"] * BLOCK == n - kv["chosen_budget"]

@@ -104,6 +104,34 @@ def test_the_engine_refuses_a_kl_target_without_its_models_calibration():
         assert field == f"kv_{name}" and "measured with" in why, why
 
 
+def test_a_kl_target_naming_no_selection_gets_its_calibrations_not_the_servers_defaults():
+    """The server's shipped selection is chosen for accuracy (``make choose-defaults``) and
+    need not be the one the KL calibration was measured with: a ``max_kl`` request that names
+    no selection field is served with the calibration's selection (its predicted KL holds for
+    that one only); naming any selection field keeps the request's own (refused where it is
+    not the calibration's); an error target in the estimate's unit and a plain budget keep
+    the server's defaults; a model without a calibration is left to its refusal."""
+    from obcache_vllm.admission import Policy, kl_selection, parse
+
+    policy = Policy({"kv_budget": None, "kv_scorer": "dropkv", "kv_pipeline": "snapkv",
+                     "kv_window": 32, "kv_per_head": True})  # fmt: skip
+    engine = _engine(f"/models/{MODEL}", 30)
+    kl = parse({"kv_budget": {"max_kl": 0.2}}, policy)
+    assert not kl.selection_named and kl.request.scorer == "dropkv"
+    served = kl_selection(engine, kl.request)
+    assert (served.pipeline, served.window, served.per_head, served.scorer) == (
+        "snapkv", 32, True, "obcache_key")
+    assert served.budget == kl.request.budget
+    options = parse_kv_options({"kv_budget": {"max_kl": 0.2}, **CALIBRATED}, 1000, 4096)
+    assert kl_calibration_refusal(engine, options) is None
+    named = parse({"kv_budget": {"max_kl": 0.2}, "kv_window": 32}, policy)
+    assert named.selection_named  # admit() keeps it: refused, naming kv_scorer
+    for budget in ({"max_error": 0.1}, 0.25):
+        other = parse({"kv_budget": budget}, policy).request
+        assert kl_selection(engine, other) is other
+    assert kl_selection(_engine("/models/gemma-3-270m", 18), kl.request) is kl.request
+
+
 # -- the shipped calibration ----------------------------------------------------------------
 def test_the_shipped_calibration_is_the_fit_the_report_measured():
     """The file is exactly ``calibration()`` of the committed measurement and analysis (the
