@@ -112,6 +112,7 @@ lm-eval-floor-rival: setup
 ## obcache_vllm/default.yaml
 choose-defaults: setup
 	$(PY) scripts/choose_defaults.py $(if $(WRITE),--write,)
+	$(if $(WRITE),$(PY) deploy/render.py,)  # deploy/ ships a copy of default.yaml
 
 ## The shipped defaults one length past the rule's: niah_single_1 at 4,096 tokens, 10 % kept, 10
 ## documents, the shipped selection beside the rival, the floor, snapkv+attn and the

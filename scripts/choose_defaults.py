@@ -167,6 +167,13 @@ def choose(scores: dict, rule: dict, fidelity: dict | None = None) -> dict:
             "tied_after_fidelity": kept if fidelity else None}  # fmt: skip
 
 
+def _added(run: dict) -> str:
+    """What a later run added to the evidence (lm_eval_grid's ``added``)."""
+    if "lengths" in run:
+        return "lengths " + ", ".join(map(str, run["lengths"]))
+    return "arms " + ", ".join(run["arms"])
+
+
 def render(decision: dict, rule: dict, results: dict, fidelity_runs: dict | None = None) -> str:
     scores = cell_scores(results)
     with_kl = decision.get("fidelity_best") is not None
@@ -175,8 +182,11 @@ def render(decision: dict, rule: dict, results: dict, fidelity_runs: dict | None
     lines = [  # no heading: the Choosing page includes this file under its own
         f"Rule and candidates: `configs/choose_defaults.yaml`; evidence: `{results['command']}` "
         f"({results['model']}, {results['date']}, {results['machine']}, "
-        f"{results['seconds'] / 60:.0f} min); {rule['budget']:g} of each prompt kept, the "
-        "question in the prompt. Reproduce: `make choose-defaults`.",
+        f"{results['seconds'] / 60:.0f} min)"
+        + "".join(f"; {_added(a)} added {a['date']}: `{a['command']}` ({a['seconds'] / 60:.0f} "
+                  "min)" for a in results.get("added", []))
+        + f"; {rule['budget']:g} of each prompt kept, the question in the prompt. Reproduce: "
+        "`make choose-defaults`.",
         "",
         f"Counted cells (the full cache at least {rule['min_full']}): "
         + (", ".join(f"{t} at {n} tokens" for t, n in cells) or "none") + ".",

@@ -25,7 +25,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 # with the selection the rule of configs/choose_defaults.yaml chose for the default model
 # (results/choose-defaults/DECISION.md; tests/unit/test_choose_defaults.py checks the file).
 SHIPPED = {**config.BUILTIN_DEFAULTS, "kv_pipeline": "snapkv", "kv_window": 32, "kv_per_head": True,
-           "kv_scorer": "obcache_key"}
+           "kv_scorer": "dropkv"}
 
 
 def test_shipped_config_file_is_the_builtin_defaults_tuned_for_the_default_model() -> None:
