@@ -820,6 +820,14 @@ def heads_memory_refusal(vllm_config, capabilities: Capabilities, options: KvOpt
     return None
 
 
+def _kl_calibration(vllm_config):
+    """The served model's shipped KL calibration, or None (:func:`calibration.for_model`)."""
+    from obcache_vllm.scoring import calibration
+
+    model = vllm_config.model_config
+    return calibration.for_model(model.model, model.get_num_layers(vllm_config.parallel_config))
+
+
 def kl_calibration_refusal(vllm_config, options: KvOptions) -> tuple[str, str] | None:
     """``(field, why)`` where this engine's model has no KL calibration for a ``max_kl``
     target, or the request's selection is not the one its calibration was measured with
@@ -828,7 +836,7 @@ def kl_calibration_refusal(vllm_config, options: KvOptions) -> tuple[str, str] |
 
     model = vllm_config.model_config
     layers = model.get_num_layers(vllm_config.parallel_config)
-    found = calibration.for_model(model.model, layers)
+    found = _kl_calibration(vllm_config)
     if found is None:
         name, have = calibration.model_key(model.model), ", ".join(calibration.shipped())
         return ("kv_budget", f"a KL target needs a calibration of {name} ({layers} layers) and "
@@ -849,13 +857,12 @@ def kl_selection(vllm_config, request: KvRequest) -> KvRequest:
     budget = request.budget
     if not (isinstance(budget, options.ErrorTarget) and budget.kl):
         return request
-    from obcache_vllm.scoring import calibration
-
-    model = vllm_config.model_config
-    found = calibration.for_model(model.model, model.get_num_layers(vllm_config.parallel_config))
+    found = _kl_calibration(vllm_config)
     if found is None:
         return request
-    return dataclasses.replace(request, **{k: found.setting[k] for k in calibration.SETTING_FIELDS})
+    from obcache_vllm.scoring.calibration import SETTING_FIELDS
+
+    return dataclasses.replace(request, **{k: found.setting[k] for k in SETTING_FIELDS})
 
 
 def request_refusal(vllm_config, capabilities: Capabilities, options: KvOptions) -> None:

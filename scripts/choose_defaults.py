@@ -36,6 +36,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from lm_eval_grid import added_what, recorded_lengths  # noqa: E402
+
 RULE = ROOT / "configs" / "choose_defaults.yaml"
 SHIPPED = ROOT / "obcache_vllm" / "default.yaml"
 BEGIN = "# -- chosen by scripts/choose_defaults.py (configs/choose_defaults.yaml): do not edit"
@@ -167,13 +171,6 @@ def choose(scores: dict, rule: dict, fidelity: dict | None = None) -> dict:
             "tied_after_fidelity": kept if fidelity else None}  # fmt: skip
 
 
-def _added(run: dict) -> str:
-    """What a later run added to the evidence (lm_eval_grid's ``added``)."""
-    if "lengths" in run:
-        return "lengths " + ", ".join(map(str, run["lengths"]))
-    return "arms " + ", ".join(run["arms"])
-
-
 def render(decision: dict, rule: dict, results: dict, fidelity_runs: dict | None = None) -> str:
     scores = cell_scores(results)
     with_kl = decision.get("fidelity_best") is not None
@@ -183,7 +180,7 @@ def render(decision: dict, rule: dict, results: dict, fidelity_runs: dict | None
         f"Rule and candidates: `configs/choose_defaults.yaml`; evidence: `{results['command']}` "
         f"({results['model']}, {results['date']}, {results['machine']}, "
         f"{results['seconds'] / 60:.0f} min)"
-        + "".join(f"; {_added(a)} added {a['date']}: `{a['command']}` ({a['seconds'] / 60:.0f} "
+        + "".join(f"; {added_what(a)} added {a['date']}: `{a['command']}` ({a['seconds'] / 60:.0f} "
                   "min)" for a in results.get("added", []))
         + f"; {rule['budget']:g} of each prompt kept, the question in the prompt. Reproduce: "
         "`make choose-defaults`.",
@@ -365,12 +362,6 @@ def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str,
             cmd += ["--serve-args", serve_args]
         subprocess.run(cmd, check=True, cwd=ROOT)
     return out / "lm_eval.json"
-
-
-def recorded_lengths(results: dict) -> set[int]:
-    """The prompt lengths an lm_eval.json has scores at (any arm, any task)."""
-    return {int(n) for run in results["runs"].values() for per in run["scores"].values()
-            for n in per}  # fmt: skip
 
 
 def check_lengths(rule: dict, results: dict, source: Path) -> None:

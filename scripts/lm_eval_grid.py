@@ -202,10 +202,15 @@ def versus(runs: dict[str, dict], baseline: str = "attn") -> list[dict]:
     return rows
 
 
-def _added_what(added: dict) -> str:
+def added_what(added: dict) -> str:
+    """What a later run added to an lm_eval.json (an ``added`` entry): its lengths or arms."""
     if "lengths" in added:
-        return "Lengths " + ", ".join(map(str, added["lengths"]))
-    return "Arms " + ", ".join(added["arms"])
+        return "lengths " + ", ".join(map(str, added["lengths"]))
+    return "arms " + ", ".join(added["arms"])
+
+
+def _first_up(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def render(results: dict) -> str:
@@ -217,8 +222,8 @@ def render(results: dict) -> str:
         "",
         f"Command: `{results['command']}` ({results['seconds']:.0f} s). Every lm_eval command "
         "line is in `lm_eval.json`.",
-        *(f"\n{_added_what(a)} added {a['date']}: `{a['command']}` ({a['seconds']:.0f} s)."
-          for a in results.get("added", [])),
+        *(f"\n{_first_up(added_what(a))} added {a['date']}: `{a['command']}` "
+          f"({a['seconds']:.0f} s)." for a in results.get("added", [])),
         "",
         "Accuracy [95 % interval] per task (RULER's string match: 0/1 for one needle, the "
         "fraction found for several; Wilson for 0/1 scores, bootstrap otherwise); "
@@ -398,7 +403,8 @@ def add_run(results: dict, added: dict) -> dict:
     return out
 
 
-def _recorded_lengths(results: dict) -> set[int]:
+def recorded_lengths(results: dict) -> set[int]:
+    """The prompt lengths an lm_eval.json has scores at (any arm, any task)."""
     return {int(n) for run in results["runs"].values() for per in run["scores"].values()
             for n in per}  # fmt: skip
 
@@ -408,7 +414,7 @@ def refuse_lengths(results: dict, names, lengths) -> None:
     ``lengths`` is recorded there yet."""
     if list(names) != list(results["arms"]):
         raise ValueError(f"the arms differ from the results' ({', '.join(results['arms'])})")
-    again = sorted(set(map(int, lengths)) & _recorded_lengths(results))
+    again = sorted(set(map(int, lengths)) & recorded_lengths(results))
     if again:
         raise ValueError(f"lengths already in the results: {', '.join(map(str, again))}")
 
@@ -419,7 +425,7 @@ def add_lengths(results: dict, added: dict) -> dict:
     seconds are appended, its kept fraction becomes the mean over every request (weighted by
     the documents each run scored). The arms must be the same, field for field (their
     documents pair with the full cache's at the new lengths only)."""
-    refuse_lengths(results, added["arms"], _recorded_lengths(added))
+    refuse_lengths(results, added["arms"], recorded_lengths(added))
     runs = {}
     for name in results["arms"]:
         old, new = results["runs"][name], added["runs"][name]
@@ -440,7 +446,7 @@ def add_lengths(results: dict, added: dict) -> dict:
     out = {**results, "runs": runs}
     out["added"] = [*results.get("added", []), {
         **{k: added[k] for k in ("command", "date", "machine", "lm_eval_version", "seconds")},
-        "lengths": sorted(_recorded_lengths(added))}]
+        "lengths": sorted(recorded_lengths(added))}]
     return out
 
 
