@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim leaderboard lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
-	lm-eval lm-eval-floor-rival lm-eval-4k lm-eval-gemma3 choose-defaults error-target error-predictor kvpress-parity adakv local-error \
+	lm-eval lm-eval-floor-rival lm-eval-4k lm-eval-gemma3 choose-defaults error-target error-predictor error-predictor-dropkv kvpress-parity adakv local-error \
 	head-layout
 
 setup:
@@ -147,6 +147,9 @@ error-target: setup
 ## results/error-predictor (see docs/user_guide/error_target.md)
 error-predictor: setup
 	$(PY) scripts/error_predictor_eval.py --out results/error-predictor
+## the same for the shipped selection's score (dropkv): its calibration ships beside the first
+error-predictor-dropkv: setup
+	$(PY) scripts/error_predictor_eval.py --scorer dropkv --out results/error-predictor-dropkv
 
 ## Our snapkv against kvpress's SnapKV on the same prompts (needs scripts/kvpress_venv.sh);
 ## report in results/kvpress-parity (see docs/evidence/accuracy.md)

@@ -89,6 +89,7 @@ streaming inputs (``resumable``)  each chunk is scheduled as a new request over 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -820,8 +821,9 @@ def heads_memory_refusal(vllm_config, capabilities: Capabilities, options: KvOpt
     return None
 
 
-def _kl_calibration(vllm_config):
-    """The served model's shipped KL calibration, or None (:func:`calibration.for_model`)."""
+def _kl_calibrations(vllm_config) -> tuple:
+    """The served model's shipped KL calibrations, one per selection measured (maybe none:
+    :func:`calibration.for_model`)."""
     from obcache_vllm.scoring import calibration
 
     model = vllm_config.model_config
@@ -830,38 +832,44 @@ def _kl_calibration(vllm_config):
 
 def kl_calibration_refusal(vllm_config, options: KvOptions) -> tuple[str, str] | None:
     """``(field, why)`` where this engine's model has no KL calibration for a ``max_kl``
-    target, or the request's selection is not the one its calibration was measured with
-    (:mod:`obcache_vllm.scoring.calibration`); None where the target can be served."""
+    target, or none measured with the request's selection (the field named is the first that
+    differs from the closest one's: :mod:`obcache_vllm.scoring.calibration`); None where the
+    target can be served."""
     from obcache_vllm.scoring import calibration
 
     model = vllm_config.model_config
     layers = model.get_num_layers(vllm_config.parallel_config)
-    found = _kl_calibration(vllm_config)
-    if found is None:
+    found = _kl_calibrations(vllm_config)
+    if not found:
         name, have = calibration.model_key(model.model), ", ".join(calibration.shipped())
         return ("kv_budget", f"a KL target needs a calibration of {name} ({layers} layers) and "
                 f"none ships (calibrated: {have or 'none'}; scripts/error_predictor_eval.py "
                 '--write-calibration makes one); {"max_error": e} works on every model')
-    mismatch = found.mismatch(options)
-    if mismatch is not None:
-        return mismatch[0], f"a KL target: {mismatch[1]}"
-    return None
+    mismatch = calibration.closest(found, options).mismatch(options)
+    if mismatch is None:
+        return None
+    if len(found) > 1:
+        others = "; ".join(", ".join(f"kv_{k} {json.dumps(v)}" for k, v in c.setting.items())
+                           for c in found)  # fmt: skip
+        return mismatch[0], f"a KL target: {mismatch[1]} (calibrated selections: {others})"
+    return mismatch[0], f"a KL target: {mismatch[1]}"
 
 
 def kl_selection(vllm_config, request: KvRequest) -> KvRequest:
-    """A KL target (``max_kl``) whose request named no selection field, with the selection
-    its model's calibration was measured with in place of the server's defaults: a predicted
-    KL holds for that selection only (:func:`kl_calibration_refusal` refuses any other), and
-    the shipped defaults are chosen for accuracy, not for the calibration. Any other request,
-    or a model without a calibration (refused later, naming it), is returned as it is."""
+    """A KL target (``max_kl``) whose request named no selection field, with the selection of
+    its model's calibration closest to the defaults it was given (the server's shipped
+    selection where a calibration was measured with it, else the one sharing most of its
+    fields: :func:`calibration.closest`): a predicted KL holds for a calibrated selection only
+    (:func:`kl_calibration_refusal` refuses any other). Any other request, or a model without
+    a calibration (refused later, naming it), is returned as it is."""
     budget = request.budget
     if not (isinstance(budget, options.ErrorTarget) and budget.kl):
         return request
-    found = _kl_calibration(vllm_config)
+    from obcache_vllm.scoring.calibration import SETTING_FIELDS, closest
+
+    found = closest(_kl_calibrations(vllm_config), request)
     if found is None:
         return request
-    from obcache_vllm.scoring.calibration import SETTING_FIELDS
-
     return dataclasses.replace(request, **{k: found.setting[k] for k in SETTING_FIELDS})
 
 

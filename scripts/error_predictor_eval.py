@@ -82,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--write-calibration", action="store_true",
                     help="write the fit and its KL map as the model's shipped calibration "
-                    "(a file in obcache_vllm/calibrations/), what kv_budget {max_kl} reads")
+                    "(a file in obcache_vllm/calibrations/, one per model and selection), what "
+                    "kv_budget {max_kl} reads")
     return parse_script_args(ap, ROOT / "results" / "error-predictor", argv)
 
 
@@ -525,10 +526,11 @@ def calibration(res: dict, an: dict, out: Path) -> dict:
 
 
 def write_calibration(res: dict, an: dict, out: Path) -> Path:
-    from obcache_vllm.scoring.calibration import CALIBRATIONS
+    from obcache_vllm.scoring.calibration import CALIBRATIONS, file_name
 
-    path = CALIBRATIONS / f"{res['model_name']}.json"
-    path.write_text(json.dumps(calibration(res, an, out.resolve()), indent=1) + "\n")
+    made = calibration(res, an, out.resolve())
+    path = CALIBRATIONS / file_name(made["model"], made["setting"])
+    path.write_text(json.dumps(made, indent=1) + "\n")
     return path
 
 

@@ -375,15 +375,16 @@ def _defer(plan, row: RowPlan, layer: str, q_rows, keys, values, view, blocks, g
     row.outcome.deferred[layer] = DeferredLayer(view, blocks, ranking, curve.cpu())
 
 
-def finish_deferred(plan: StepPlan, num_layers: int, calibration=None) -> None:
+def finish_deferred(plan: StepPlan, num_layers: int, calibrations=()) -> None:
     """Choose and write every error target's order of the step, after the forward pass.
 
     All layers share one block table, so the count is chosen only once every layer has scored
     (:func:`_defer` in each); nothing has been written or freed by then. The choice is the
     fewest kept tokens whose estimate (the mean of the layers' curves) is at most the target
     (:func:`obcache_vllm.scoring.estimate.choose`), or for a KL target (``kl_target``) the
-    KL that ``calibration`` (:class:`~obcache_vllm.scoring.calibration.KlCalibration`, the
-    served model's) predicts from every layer's curve; then each layer gathers its resident K/V
+    KL that the calibration measured with the row's selection (one of ``calibrations``,
+    :class:`~obcache_vllm.scoring.calibration.KlCalibration`, the served model's) predicts from
+    every layer's curve; then each layer gathers its resident K/V
     again, selects that many and writes them, as an ordinary order would. Faults are contained
     to the row as in the layers (a fault before the first write leaves the cache as it was).
     """
@@ -398,8 +399,10 @@ def finish_deferred(plan: StepPlan, num_layers: int, calibration=None) -> None:
                 raise RuntimeError(f"{len(outcome.deferred)} of {num_layers} layers scored")
             curves = torch.stack([d.curve for d in outcome.deferred.values()])  # [L, C]
             if opts.kl_target:
+                calibration = next((c for c in calibrations if c.mismatch(opts) is None), None)
                 if calibration is None:
-                    raise RuntimeError("a KL target without the model's KL calibration")
+                    raise RuntimeError("a KL target without the model's KL calibration of its "
+                                       "selection")  # fmt: skip
                 curve = calibration.nats(curves)
             else:
                 curve = curves.mean(dim=0)

@@ -19,9 +19,11 @@ fitted on prompts the model was measured on and checked on others:
 A calibration holds for the selection it was measured with (pipeline, window, per-head
 ranking, scorer; a whole-prompt compression at the prompt's end, no decode-time eviction)
 and for its model: admission refuses a KL target otherwise, naming the field
-(:func:`obcache_vllm.admission.request_refusal`). Calibrations ship in
-``obcache_vllm/calibrations/<model directory name>.json``, written by
-``scripts/error_predictor_eval.py --write-calibration`` from its measurement.
+(:func:`obcache_vllm.admission.request_refusal`). A model may ship several, one per selection
+(:func:`for_model`; :func:`closest` picks the one a request's selection is nearest).
+Calibrations ship in ``obcache_vllm/calibrations/<model directory name>@<selection>.json``
+(:func:`file_name`), written by ``scripts/error_predictor_eval.py --write-calibration`` from its
+measurement.
 
 Plain Python and torch: no vLLM import.
 """
@@ -102,17 +104,46 @@ def model_key(model: str) -> str:
     return Path(str(model).rstrip("/")).name
 
 
+def file_name(model: str, setting: dict) -> str:
+    """The file a calibration of ``model`` measured with ``setting`` ships as:
+    ``<model>@<pipeline>-w<window>[-shared]-<scorer>.json``."""
+    shared = "" if setting["per_head"] else "-shared"
+    return (f"{model_key(model)}@{setting['pipeline']}-w{setting['window']}{shared}-"
+            f"{setting['scorer']}.json")
+
+
 @cache
-def for_model(model: str, num_layers: int) -> KlCalibration | None:
-    """The shipped calibration of ``model`` (a path or a hub id), or None where none ships or
-    its layer count is not the model's (another model under the same name)."""
-    path = CALIBRATIONS / f"{model_key(model)}.json"
-    if not path.is_file():
+def for_model(model: str, num_layers: int) -> tuple[KlCalibration, ...]:
+    """The shipped calibrations of ``model`` (a path or a hub id), one per selection measured,
+    in file-name order; empty where none ships or their layer count is not the model's
+    (another model under the same name)."""
+    key = model_key(model)
+    found = []
+    for path in sorted(CALIBRATIONS.glob(f"{glob_escape(key)}@*.json")):
+        calibration = KlCalibration.from_json(json.loads(path.read_text()))
+        if calibration.model == key and calibration.num_layers == num_layers:
+            found.append(calibration)
+    return tuple(found)
+
+
+def glob_escape(text: str) -> str:
+    """``text`` matched literally in a glob pattern (a model name may hold ``[``)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def closest(calibrations: tuple[KlCalibration, ...], options) -> KlCalibration | None:
+    """The calibration measured with ``options``' selection (KvRequest or KvOptions), else the
+    one sharing most of its selection fields (the first of equals), or None where there is
+    none: what a KL target naming no selection is served with, and what a refusal names."""
+    if not calibrations:
         return None
-    calibration = KlCalibration.from_json(json.loads(path.read_text()))
-    return calibration if calibration.num_layers == num_layers else None
+
+    def shared(calibration: KlCalibration) -> int:
+        return sum(getattr(options, k) == calibration.setting[k] for k in SETTING_FIELDS)
+
+    return max(calibrations, key=shared)  # max keeps the first of equals
 
 
 def shipped() -> list[str]:
     """The model names a calibration ships for."""
-    return sorted(p.stem for p in CALIBRATIONS.glob("*.json"))
+    return sorted({p.name.split("@", 1)[0] for p in CALIBRATIONS.glob("*@*.json")})

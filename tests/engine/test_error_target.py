@@ -391,11 +391,13 @@ def test_a_target_with_kv_decode_decodes_as_the_fixed_budget_it_chose(engine, do
 # -- KL targets: {"max_kl": nats}, the default model's shipped calibration --------------------
 CALIBRATED = {"kv_pipeline": "snapkv", "kv_window": 32, "kv_per_head": True,
               "kv_scorer": "obcache_key"}  # fmt: skip
+# The model's calibrations, one per selection, each with the measurement it was written from.
+KL_RESULTS = {"obcache_key": "results/error-predictor", "dropkv": "results/error-predictor-dropkv"}
 
 
-def _kl_oracle():
+def _kl_oracle(scorer: str):
     """The evaluation's own predictor and map (scripts/error_predictor_eval.py: scalar Python,
-    from the committed analysis), not the worker's tensor code."""
+    from the committed analysis of ``scorer``'s measurement), not the worker's tensor code."""
     import importlib.util
     import json
     from pathlib import Path
@@ -404,16 +406,21 @@ def _kl_oracle():
     spec = importlib.util.spec_from_file_location("epe", root / "scripts/error_predictor_eval.py")
     ep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ep)
-    an = json.loads((root / "results/error-predictor/analysis.json").read_text())
+    an = json.loads((root / KL_RESULTS[scorer] / "analysis.json").read_text())
     pred, mapping = ep.predictor("fit", an["ridge"]), an["predictors"]["fit"]["map"]
     return lambda errors: ep.in_nats(mapping, pred(errors))
 
 
-def test_a_kl_target_chooses_what_the_models_calibration_predicts(engine, docs, monkeypatch):
-    """``{"max_kl": nats}`` on the real model: every layer's curve is recorded where the worker
-    chooses; the count each request kept is the fewest whose KL, predicted by the evaluation's
-    own code from those curves, is within its target; its reported ``estimated_kl`` is that
-    prediction; a looser target keeps no more; targets in flight together choose as alone."""
+@pytest.mark.parametrize("scorer", KL_RESULTS)
+def test_a_kl_target_chooses_what_the_models_calibration_predicts(
+    engine, docs, monkeypatch, scorer
+):
+    """``{"max_kl": nats}`` on the real model, for each selection the model ships a
+    calibration of: every layer's curve is recorded where the worker chooses; the count each
+    request kept is the fewest whose KL, predicted by the evaluation's own code for that
+    selection's calibration from those curves, is within its target; its reported
+    ``estimated_kl`` is that prediction; a looser target keeps no more; targets in flight
+    together (the two selections' too) choose as alone."""
     import torch
 
     from obcache_vllm.eviction.layer import _candidates
@@ -431,13 +438,14 @@ def test_a_kl_target_chooses_what_the_models_calibration_predicts(engine, docs, 
         return original(plan, num_layers, *rest)
 
     monkeypatch.setattr(lifecycle, "finish_deferred", recording)
-    oracle = _kl_oracle()
+    oracle = _kl_oracle(scorer)
+    selection = {**CALIBRATED, "kv_scorer": scorer}
     targets = (0.05, 0.2, 0.8)
     alone = {}
     for nats in targets:
         seen.clear()
         ids = docs["dense"]
-        (out,) = _run(engine, [(ids, {"kv_budget": {"max_kl": nats}, **CALIBRATED})])
+        (out,) = _run(engine, [(ids, {"kv_budget": {"max_kl": nats}, **selection})])
         kv = _outcome(out)
         ((kept, per_candidate),) = seen.values()
         predicted = [oracle(errors) for errors in per_candidate]
@@ -452,8 +460,13 @@ def test_a_kl_target_chooses_what_the_models_calibration_predicts(engine, docs, 
         alone[nats] = got
     assert alone[0.8] <= alone[0.2] <= alone[0.05], alone
     assert alone[0.8] < len(docs["dense"]), alone  # the loosest target frees blocks
-    outs = _run(engine, [(docs["dense"], {"kv_budget": {"max_kl": t}, **CALIBRATED})
-                         for t in targets])  # fmt: skip
+    others = [s for s in KL_RESULTS if s != scorer]
+    outs = _run(engine, [(docs["dense"], {"kv_budget": {"max_kl": t}, **selection})
+                         for t in targets]
+                + [(docs["dense"], {"kv_budget": {"max_kl": 0.2}, **CALIBRATED, "kv_scorer": s})
+                   for s in others])  # fmt: skip
     together = {t: _outcome(o).get("chosen_budget", len(docs["dense"]))
-                for t, o in zip(targets, outs, strict=True)}  # fmt: skip
+                for t, o in zip(targets, outs, strict=False)}  # fmt: skip
     assert together == alone
+    for out in outs[len(targets):]:  # the other selections' calibrations, beside this one's
+        assert _outcome(out)["scorer"] in others

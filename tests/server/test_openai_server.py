@@ -273,10 +273,10 @@ def test_an_error_target_chooses_its_budget_and_reports_it(server: Server) -> No
 
 
 def test_a_kl_target_chooses_its_budget_in_nats_and_reports_it(server: Server) -> None:
-    """``kv_budget: {"max_kl": nats}`` naming no selection field: served with the selection
-    the default model's calibration was measured with (``snapkv``, ``obcache_key``), whatever
-    the server ships for other requests; the choice and its predicted KL are reported in
-    ``usage.obcache``; a looser target keeps no more tokens."""
+    """``kv_budget: {"max_kl": nats}`` naming no selection field: served with the server's
+    shipped selection (snapkv, window 32, per head, ``dropkv``), which the default model ships
+    a calibration of (one of two: ``obcache_vllm/calibrations/``); the choice and its
+    predicted KL are reported in ``usage.obcache``; a looser target keeps no more tokens."""
     client = _client(server)
     prompt = _long_text(30, seed=5)
     chosen = {}
@@ -287,7 +287,7 @@ def test_a_kl_target_chooses_its_budget_in_nats_and_reports_it(server: Server) -
         kv = _obcache_usage(reply.usage)
         n = reply.usage.prompt_tokens
         assert kv["max_kl"] == nats and "max_error" not in kv, kv
-        assert (kv["pipeline"], kv["scorer"]) == ("snapkv", "obcache_key"), kv
+        assert (kv["pipeline"], kv["scorer"]) == ("snapkv", "dropkv"), kv
         assert kv["budget_floor"] <= kv.get("budget", n)
         if "chosen_budget" in kv:
             assert 0 <= kv["estimated_kl"] <= nats

@@ -23,7 +23,13 @@ from obcache_vllm.eviction.step import RequestKvState, RowPlan, StepPlan
 from obcache_vllm.evidence.kernel_checks.paged import write_slots
 from obcache_vllm.options import ErrorTarget, KvOptions, KvOptionsError
 from obcache_vllm.scoring import HeadGeometry, estimate, select_keep
-from obcache_vllm.scoring.calibration import CALIBRATIONS, KlCalibration, for_model
+from obcache_vllm.scoring.calibration import (
+    CALIBRATIONS,
+    KlCalibration,
+    closest,
+    file_name,
+    for_model,
+)
 from obcache_vllm.vllm_ext.worker.backends.flash_attn_layout import (
     FlashAttnKvView,
     layer_cache_views,
@@ -40,6 +46,12 @@ _spec.loader.exec_module(ep)
 MODEL = "SmolLM2-135M-Instruct"
 CALIBRATED = {"kv_pipeline": "snapkv", "kv_window": 32, "kv_per_head": True,
               "kv_scorer": "obcache_key"}  # fmt: skip
+# Each shipped calibration of the default model and the measurement it was written from.
+SHIPPED = {"obcache_key": "results/error-predictor", "dropkv": "results/error-predictor-dropkv"}
+
+
+def _setting(scorer: str) -> dict:
+    return {"pipeline": "snapkv", "window": 32, "per_head": True, "scorer": scorer}
 
 
 # -- the field ------------------------------------------------------------------------------
@@ -102,55 +114,90 @@ def test_the_engine_refuses_a_kl_target_without_its_models_calibration():
                                   f"kv_{name}": value}, 1000, 4096)  # fmt: skip
         field, why = kl_calibration_refusal(_engine(f"/models/{MODEL}", 30), other)
         assert field == f"kv_{name}" and "measured with" in why, why
+        assert all(f'kv_scorer "{scorer}"' in why for scorer in SHIPPED), why
+    dropkv = parse_kv_options({"kv_budget": {"max_kl": 0.2}, **CALIBRATED,
+                               "kv_scorer": "dropkv"}, 1000, 4096)  # fmt: skip
+    assert kl_calibration_refusal(_engine(f"/models/{MODEL}", 30), dropkv) is None
 
 
-def test_a_kl_target_naming_no_selection_gets_its_calibrations_not_the_servers_defaults():
-    """The server's shipped selection is chosen for accuracy (``make choose-defaults``) and
-    need not be the one the KL calibration was measured with: a ``max_kl`` request that names
-    no selection field is served with the calibration's selection (its predicted KL holds for
-    that one only); naming any selection field keeps the request's own (refused where it is
-    not the calibration's); an error target in the estimate's unit and a plain budget keep
-    the server's defaults; a model without a calibration is left to its refusal."""
-    from obcache_vllm.admission import Policy, kl_selection, parse
+def test_a_kl_target_naming_no_selection_gets_a_calibrated_selection():
+    """A ``max_kl`` request that names no selection field is served with a selection its
+    model was calibrated with (its predicted KL holds for those only): the server's shipped
+    selection (``make choose-defaults``) where a calibration was measured with it, else the
+    calibration sharing most of the defaults' fields (offline: the options' own defaults,
+    snapkv window 64 per head ``obcache_key``, get the ``obcache_key`` calibration's window
+    32). Naming any selection field keeps the request's own (refused where no calibration
+    was measured with it); an error target in the estimate's unit and a plain budget keep the
+    server's defaults; a model without a calibration is left to its refusal."""
+    from obcache_vllm.admission import Policy, kl_selection, parse, parse_request
 
-    policy = Policy({"kv_budget": None, "kv_scorer": "dropkv", "kv_pipeline": "snapkv",
-                     "kv_window": 32, "kv_per_head": True})  # fmt: skip
+    def selection(request):
+        return (request.pipeline, request.window, request.per_head, request.scorer)
+
     engine = _engine(f"/models/{MODEL}", 30)
-    kl = parse({"kv_budget": {"max_kl": 0.2}}, policy)
-    assert not kl.selection_named and kl.request.scorer == "dropkv"
-    served = kl_selection(engine, kl.request)
-    assert (served.pipeline, served.window, served.per_head, served.scorer) == (
-        "snapkv", 32, True, "obcache_key")
-    assert served.budget == kl.request.budget
-    options = parse_kv_options({"kv_budget": {"max_kl": 0.2}, **CALIBRATED}, 1000, 4096)
-    assert kl_calibration_refusal(engine, options) is None
-    named = parse({"kv_budget": {"max_kl": 0.2}, "kv_window": 32}, policy)
-    assert named.selection_named  # admit() keeps it: refused, naming kv_scorer
+    shipped = {"kv_budget": None, "kv_scorer": "dropkv", "kv_pipeline": "snapkv",
+               "kv_window": 32, "kv_per_head": True}  # fmt: skip
+    kl = parse({"kv_budget": {"max_kl": 0.2}}, Policy(shipped))
+    assert not kl.selection_named
+    assert selection(kl_selection(engine, kl.request)) == ("snapkv", 32, True, "dropkv")
+    # a server shipping an uncalibrated selection: the closest calibration's
+    tova = parse({"kv_budget": {"max_kl": 0.2}},
+                 Policy({**shipped, "kv_pipeline": "tova", "kv_per_head": False,
+                         "kv_window": 1, "kv_scorer": "obcache_key"}))  # fmt: skip
+    served = kl_selection(engine, tova.request)
+    assert selection(served) == ("snapkv", 32, True, "obcache_key")
+    assert served.budget == tova.request.budget
+    offline = parse_request({"kv_budget": {"max_kl": 0.2}})
+    assert selection(offline) == ("snapkv", 64, True, "obcache_key")
+    assert selection(kl_selection(engine, offline)) == ("snapkv", 32, True, "obcache_key")
+    named = parse({"kv_budget": {"max_kl": 0.2}, "kv_window": 64}, Policy(shipped))
+    assert named.selection_named  # admit() keeps it: refused, naming kv_window
     for budget in ({"max_error": 0.1}, 0.25):
-        other = parse({"kv_budget": budget}, policy).request
+        other = parse({"kv_budget": budget}, Policy(shipped)).request
         assert kl_selection(engine, other) is other
     assert kl_selection(_engine("/models/gemma-3-270m", 18), kl.request) is kl.request
 
 
+def test_the_closest_calibration_shares_most_fields_and_the_first_of_equals_wins():
+    tova = {**_setting("attn"), "pipeline": "tova", "window": 1}
+    cals = tuple(KlCalibration(model="toy", num_layers=1, intercept=0.0, weights=(1.0,),
+                               map_a=0.0, map_b=1.0, margin=0.0, setting=setting)
+                 for setting in (_setting("dropkv"), _setting("obcache_key"), tova))  # fmt: skip
+    request = SimpleNamespace(pipeline="tova", window=1, per_head=True, scorer="attn")
+    assert closest(cals, request) is cals[2]
+    request = SimpleNamespace(pipeline="snapkv", window=64, per_head=True, scorer="attn")
+    assert closest(cals, request) is cals[0]  # 2 fields each with the first two: the first
+    assert closest((), request) is None
+    assert file_name("/m/toy", _setting("dropkv")) == "toy@snapkv-w32-dropkv.json"
+    assert file_name("toy", {**_setting("attn"), "per_head": False}) == (
+        "toy@snapkv-w32-shared-attn.json")
+
+
 # -- the shipped calibration ----------------------------------------------------------------
-def test_the_shipped_calibration_is_the_fit_the_report_measured():
-    """The file is exactly ``calibration()`` of the committed measurement and analysis (the
-    ``fit`` predictor, its cross-fitted map): what results/error-predictor reports on held-out
-    prompts is what ships."""
-    res = json.loads((ROOT / "results/error-predictor/error_predictor.json").read_text())
-    an = json.loads((ROOT / "results/error-predictor/analysis.json").read_text())
-    shipped = json.loads((CALIBRATIONS / f"{MODEL}.json").read_text())
-    made = ep.calibration(res, an, (ROOT / "results/error-predictor").resolve())
+@pytest.mark.parametrize("scorer", SHIPPED)
+def test_the_shipped_calibration_is_the_fit_the_report_measured(scorer):
+    """Each file is exactly ``calibration()`` of the committed measurement and analysis (the
+    ``fit`` predictor, its cross-fitted map), under the name ``--write-calibration`` gives
+    it: what its results directory reports on held-out prompts is what ships."""
+    results = ROOT / SHIPPED[scorer]
+    res = json.loads((results / "error_predictor.json").read_text())
+    an = json.loads((results / "analysis.json").read_text())
+    made = ep.calibration(res, an, results.resolve())
+    assert made["setting"] == _setting(scorer)
+    shipped = json.loads((CALIBRATIONS / file_name(MODEL, made["setting"])).read_text())
     assert shipped == made
-    assert for_model(f"/anywhere/{MODEL}", 30) == KlCalibration.from_json(shipped)
-    assert for_model(f"/anywhere/{MODEL}", 24) is None and for_model("/x/other", 30) is None
+    found = for_model(f"/anywhere/{MODEL}", 30)
+    assert KlCalibration.from_json(shipped) in found
+    assert len(found) == len(SHIPPED) == len(list(CALIBRATIONS.glob(f"{MODEL}@*.json")))
+    assert for_model(f"/anywhere/{MODEL}", 24) == () and for_model("/x/other", 30) == ()
 
 
-def test_the_calibration_predicts_what_the_evaluation_predicted():
+@pytest.mark.parametrize("scorer", SHIPPED)
+def test_the_calibration_predicts_what_the_evaluation_predicted(scorer):
     """``nats`` on tensors equals the evaluation's own predictor and map (scalar Python, per
     prompt) on errors spanning what layers report, zeros (a layer that lost nothing) included."""
-    cal = for_model(MODEL, 30)
-    an = json.loads((ROOT / "results/error-predictor/analysis.json").read_text())
+    (cal,) = [c for c in for_model(MODEL, 30) if c.setting == _setting(scorer)]
+    an = json.loads((ROOT / SHIPPED[scorer] / "analysis.json").read_text())
     pred = ep.predictor("fit", an["ridge"])
     mapping = an["predictors"]["fit"]["map"]
     gen = torch.Generator().manual_seed(0)
@@ -197,15 +244,20 @@ def _deferred_row(target: float, layers: int, n: int = 100):
 @pytest.mark.parametrize("target", [1e-6, 0.3, 1e6])
 def test_a_kl_target_keeps_the_fewest_tokens_the_calibration_allows(target):
     """The count is the first candidate whose predicted nats are within the target, predicted
-    from every layer's curve together (not their mean); each layer then keeps that many."""
+    from every layer's curve together (not their mean) by the calibration measured with the
+    row's selection (not another of the model's); each layer then keeps that many."""
     layers = 3
     cal = KlCalibration(model="toy", num_layers=layers, intercept=0.5, weights=(0.2, -0.1, 0.6),
                         map_a=-0.3, map_b=0.9, margin=0.4,
                         setting={"pipeline": "snapkv", "window": 8, "per_head": True,
                                  "scorer": "obcache_key"})  # fmt: skip
+    # another selection's calibration, first: it would choose differently
+    other = KlCalibration(model="toy", num_layers=layers, intercept=-3.0, weights=(0.5, 0.5, 0.5),
+                          map_a=-2.0, map_b=1.0, margin=0.0,
+                          setting={**cal.setting, "scorer": "dropkv"})  # fmt: skip
     plan, row, rankings, n = _deferred_row(target, layers)
     curves = torch.stack([d.curve for d in row.outcome.deferred.values()])
-    finish_deferred(plan, layers, cal)
+    finish_deferred(plan, layers, (other, cal))
     nats = cal.nats(curves)
     index = estimate.choose(nats, target)
     dead_after, kept, est = row.outcome.chosen
@@ -222,8 +274,15 @@ def test_a_kl_target_keeps_the_fewest_tokens_the_calibration_allows(target):
             assert torch.equal(row.state.record[f"layer{i}"], keep)
 
 
-def test_a_kl_order_without_a_calibration_is_a_contained_fault():
+@pytest.mark.parametrize("scorer", [None, "dropkv"])
+def test_a_kl_order_without_a_calibration_of_its_selection_is_a_contained_fault(scorer):
+    """None at all, or only another selection's (admission refuses both; a worker that met
+    one anyway must not predict with the wrong calibration)."""
+    calibrations = () if scorer is None else (KlCalibration(
+        model="toy", num_layers=2, intercept=0.0, weights=(1.0, 1.0), map_a=0.0, map_b=1.0,
+        margin=0.0, setting={"pipeline": "snapkv", "window": 8, "per_head": True,
+                             "scorer": scorer}),)  # fmt: skip
     plan, row, _, _ = _deferred_row(0.3, 2)
-    finish_deferred(plan, 2, None)
+    finish_deferred(plan, 2, calibrations)
     assert row.outcome.failure is not None and "calibration" in row.outcome.failure[2]
     assert row.outcome.compacted_layers == 0 and row.outcome.chosen is None

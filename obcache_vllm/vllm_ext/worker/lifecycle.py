@@ -270,11 +270,12 @@ class WorkerEviction:
         )
         return self.plan
 
-    def _calibration(self, num_layers: int):
-        """The served model's KL calibration (``kv_budget: {"max_kl": ..}``), or None; admission
-        refuses a KL target where there is none, so a KL order without it is a fault."""
+    def _calibrations(self, num_layers: int) -> tuple:
+        """The served model's KL calibrations (``kv_budget: {"max_kl": ..}``), one per selection
+        measured; admission refuses a KL target whose selection has none, so a KL order
+        without one is a fault."""
         if self.model is None:
-            return None
+            return ()
         from obcache_vllm.scoring.calibration import for_model
 
         return for_model(self.model, num_layers)
@@ -287,7 +288,7 @@ class WorkerEviction:
         if plan is None or not (plan.rows or untracked):
             return
         # error targets: every layer has scored by now
-        finish_deferred(plan, num_layers, self._calibration(num_layers))
+        finish_deferred(plan, num_layers, self._calibrations(num_layers))
         if tp_group is not None:  # every rank commits the same outcome (see agree_across_ranks)
             agree_across_ranks(plan.rows, num_layers, tp_group)
         applied, failures, states = [], [], {}
