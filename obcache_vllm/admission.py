@@ -848,11 +848,11 @@ def kl_calibration_refusal(vllm_config, options: KvOptions) -> tuple[str, str] |
     mismatch = calibration.closest(found, options).mismatch(options)
     if mismatch is None:
         return None
-    if len(found) > 1:
-        others = "; ".join(", ".join(f"kv_{k} {json.dumps(v)}" for k, v in c.setting.items())
-                           for c in found)  # fmt: skip
-        return mismatch[0], f"a KL target: {mismatch[1]} (calibrated selections: {others})"
-    return mismatch[0], f"a KL target: {mismatch[1]}"
+    field, why = mismatch
+    if len(found) > 1:  # the closest one's settings are in `why`; name the others too
+        why += " (calibrated selections: " + "; ".join(
+            ", ".join(f"kv_{k} {json.dumps(v)}" for k, v in c.setting.items()) for c in found) + ")"
+    return field, f"a KL target: {why}"
 
 
 def kl_selection(vllm_config, request: KvRequest) -> KvRequest:

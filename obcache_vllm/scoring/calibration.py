@@ -30,6 +30,7 @@ Plain Python and torch: no vLLM import.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 from dataclasses import dataclass
@@ -119,16 +120,11 @@ def for_model(model: str, num_layers: int) -> tuple[KlCalibration, ...]:
     (another model under the same name)."""
     key = model_key(model)
     found = []
-    for path in sorted(CALIBRATIONS.glob(f"{glob_escape(key)}@*.json")):
+    for path in sorted(CALIBRATIONS.glob(f"{glob.escape(key)}@*.json")):
         calibration = KlCalibration.from_json(json.loads(path.read_text()))
         if calibration.model == key and calibration.num_layers == num_layers:
             found.append(calibration)
     return tuple(found)
-
-
-def glob_escape(text: str) -> str:
-    """``text`` matched literally in a glob pattern (a model name may hold ``[``)."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 
 
 def closest(calibrations: tuple[KlCalibration, ...], options) -> KlCalibration | None:
