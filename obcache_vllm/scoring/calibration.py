@@ -12,9 +12,12 @@ fitted on prompts the model was measured on and checked on others:
 
 * a ridge regression of log KL on every layer's log error (one weight per layer: which
   layers' errors reach the output), ``log p = intercept + sum_l w_l log(err_l + 1e-9)``;
-* a power law from ``p`` to nats with a margin, the 90 % quantile of its residuals on
-  out-of-fold predictions, ``nats = exp(a + margin + b log p)``, so that about 90 % of
-  prompts like the fitting ones are within what it says.
+* a power law from ``p`` to nats with a margin, ``nats = exp(a + margin + b log p)``, on
+  out-of-fold predictions: the margin starts at the 90 % quantile of the residuals and is
+  raised until the count a target chooses (each prompt's fewest kept tokens predicted within
+  it) leaves 90 % of the fitting prompts within every measured target, so that about 9 in 10
+  prompts like them get what they ask (the residual quantile alone covers 9 in 10 points,
+  not choices: a target picks the count where the map under-states the KL most).
 
 A calibration holds for the selection it was measured with (pipeline, window, per-head
 ranking, scorer; a whole-prompt compression at the prompt's end, no decode-time eviction)
