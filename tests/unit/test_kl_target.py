@@ -286,3 +286,41 @@ def test_a_kl_order_without_a_calibration_of_its_selection_is_a_contained_fault(
     finish_deferred(plan, 2, calibrations)
     assert row.outcome.failure is not None and "calibration" in row.outcome.failure[2]
     assert row.outcome.compacted_layers == 0 and row.outcome.chosen is None
+
+
+@pytest.mark.parametrize("scorer", SHIPPED)
+def test_the_shipped_map_is_the_committed_measurements_raised_for_the_choice(scorer):
+    """The committed analysis's ``fit`` map (what ships) is the one the evaluation's own code
+    makes from the committed measurement: the out-of-fold map whose margin was raised until the
+    choice covers 9 in 10 fitting prompts at every target, not the residual quantile."""
+    results = ROOT / SHIPPED[scorer]
+    res = json.loads((results / "error_predictor.json").read_text())
+    mapping = ep._cross_fitted_map(ep.points(res, ep._split(res)[0]), res["kl_targets"])
+    committed = json.loads((results / "analysis.json").read_text())["predictors"]["fit"]["map"]
+    assert mapping == pytest.approx(committed, rel=1e-9)
+    assert mapping["margin"] > mapping["residual_margin"]
+
+
+def test_the_margin_is_raised_until_each_targets_choice_covers_the_fitting_prompts():
+    """Made-up curves where the map is exact on every point but the count each prompt would be
+    chosen at: the residuals' quantile covers 9 in 10 points, a target's choice lands on the
+    under-stated count and misses; the raised margin leaves 9 in 10 prompts within every
+    target, and nothing is raised without targets."""
+    train = []
+    for i in range(20):
+        for kept in range(1, 11):
+            err = 10.0 ** (-kept / 2)
+            kl = err * (8.0 if kept == 6 and i < 15 else 1.0)  # under-stated at one count
+            train.append({"name": f"p{i}", "kept": kept, "fraction": kept / 10, "kl": kl,
+                          "errors": [err]})  # fmt: skip
+    pred = lambda e: e[0]  # noqa: E731
+    targets = [1.5e-3]  # between the counts 6 (1e-3) and 5 (3.2e-3): chooses 6 unraised
+    plain = ep.kl_map(train, pred)
+    assert plain["margin"] == plain["residual_margin"]
+    by_prompt = ep._by(train, lambda p: p["name"])
+    assert ep.covered(by_prompt, plain, pred, targets[0]) < ep.COVER
+    raised = ep.kl_map(train, pred, targets)
+    assert raised["residual_margin"] == plain["margin"] < raised["margin"]
+    assert ep.covered(by_prompt, raised, pred, targets[0]) >= ep.COVER
+    lower = {**raised, "margin": raised["margin"] - 0.05}
+    assert ep.covered(by_prompt, lower, pred, targets[0]) < ep.COVER  # the least that covers
