@@ -288,7 +288,7 @@ def kl_map(train: list[dict], pred, targets=()) -> dict:
     resid = sorted(y - (a + b * x) for x, y in zip(xs, ys, strict=True))
     m = resid[min(len(resid) - 1, int(COVER * len(resid)))]
     mapping = {"a": a, "b": b, "margin": m, "residual_margin": m}
-    by_prompt = _by(train, lambda p: p["name"])
+    by_prompt = _by(train, lambda p: p["name"]) if targets else {}
     for _ in range(400):  # 20 in log units: past any KL a kept count can reach
         if all(covered(by_prompt, mapping, pred, tau) >= COVER for tau in targets):
             break
