@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-one-session test-unit test-vllm test-engine test-server fuzz hold-sim leaderboard lint clean-model bench bench-full bench-serve \
 	deploy-render deploy-check loadtest loadtest-compare soak compat parity fleet sim stress fidelity fidelity-2k fidelity-chats fidelity-topk \
-	lm-eval lm-eval-floor-rival lm-eval-4k lm-eval-gemma3 choose-defaults error-target error-predictor error-predictor-dropkv kvpress-parity adakv local-error \
+	lm-eval lm-eval-floor-rival lm-eval-4k lm-eval-gemma3 choose-defaults choose-defaults-gemma3 error-target error-predictor error-predictor-dropkv kvpress-parity adakv local-error \
 	head-layout
 
 setup:
@@ -113,6 +113,13 @@ lm-eval-floor-rival: setup
 choose-defaults: setup
 	$(PY) scripts/choose_defaults.py $(if $(WRITE),--write,)
 	$(if $(WRITE),$(PY) deploy/render.py,)  # deploy/ ships a copy of default.yaml
+
+## The same rule on the second model, Gemma 3 270M (configs/choose_defaults-gemma-3-270m.yaml:
+## what differs and why); reports in results/choose-defaults-gemma-3-270m/DECISION.md, writes
+## nothing (about 70 minutes on one core)
+choose-defaults-gemma3: setup
+	$(PY) scripts/choose_defaults.py --rule configs/choose_defaults-gemma-3-270m.yaml \
+	  --out results/choose-defaults-gemma-3-270m
 
 ## The shipped defaults one length past the rule's: niah_single_1 at 4,096 tokens, 10 % kept, 10
 ## documents, the shipped selection beside the rival, the floor, snapkv+attn and the

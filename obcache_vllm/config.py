@@ -28,6 +28,12 @@ as stock vLLM reuses it from its prefix cache, and a chat's next turn (a prompt 
 recent one) continues as a ``kv_session``; ``null`` compresses every prompt whole. It
 applies only where the request's options allow a compress point (not with ``kv_session``,
 ``kv_when: pressure`` or ``kv_prefill_evict``) and the client set no ``kv_compress_at``.
+
+A model may have its own selection (``models:`` in the YAML file, a mapping of a model's name,
+its directory's or hub id's last part, to selection fields; written by
+``scripts/choose_defaults.py`` from a rule run on that model): a server serving that model
+takes those fields in place of the file's (:func:`load_policy`, ``model``), unless the operator
+set a selection field by variable or flag, which every model then gets.
 Plain Python: no vLLM import.
 """
 
@@ -58,6 +64,7 @@ PACKAGED_CONFIG = Path(__file__).resolve().parent / "default.yaml"
 BUILTIN_DEFAULTS: dict[str, Any] = options.TABLE.builtin_defaults()
 # Options that depend on the request's own prompt: no server-wide default.
 PER_REQUEST_ONLY = options.TABLE.per_request_only()
+MODELS_KEY = "models"  # per-model selections (YAML only)
 
 
 class ConfigError(ValueError):
@@ -101,9 +108,9 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
     default budget the other options are checked against a stand-in budget; a fractional budget
     is checked against a long prompt (its value for short prompts is checked per request).
     """
-    unknown = sorted(set(defaults) - set(options.FIELDS) - set(POLICY_KEYS))
+    unknown = sorted(set(defaults) - set(options.FIELDS) - set(POLICY_KEYS) - {MODELS_KEY})
     if unknown:
-        known = ", ".join((*options.FIELDS, *POLICY_KEYS))
+        known = ", ".join((*options.FIELDS, *POLICY_KEYS, MODELS_KEY))
         raise ConfigError(f"{source}: unknown key {unknown[0]!r}; known: {known}")
     fixed = [k for k in PER_REQUEST_ONLY if defaults.get(k) is not None]
     if fixed:
@@ -118,13 +125,41 @@ def validate_defaults(defaults: Mapping[str, Any], source: str) -> None:
         raise ConfigError(
             f"{source}: {COMPRESS_AT_KEY} must be {options.AUTO!r} or null, got {point!r}"
         )
-    probe = {k: v for k, v in defaults.items() if v is not None and k not in POLICY_KEYS}
+    probe = {k: v for k, v in defaults.items()
+             if v is not None and k not in POLICY_KEYS and k != MODELS_KEY}  # fmt: skip
     probe.setdefault("kv_budget", 1 << 20)
     try:
         admission.parse_kv_options(probe, num_prompt_tokens=1 << 20)
     except options.KvOptionsError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
     _validate_query_agnostic(defaults.get(QUERY_AGNOSTIC_KEY), probe, source)
+    _validate_models(defaults.get(MODELS_KEY), probe, source)
+
+
+def _validate_models(models: Any, probe: dict[str, Any], source: str) -> None:
+    """``models``: null, or a mapping of model names to selections, each a mapping of
+    selection fields whose values are valid over the other defaults (as the file's own)."""
+    if models is None:
+        return
+    if not isinstance(models, dict):
+        raise ConfigError(f"{source}: {MODELS_KEY} must be a mapping of model names to "
+                          f"selections, or null; got {models!r}")  # fmt: skip
+    for name, selection in models.items():
+        where = f"{source}: {MODELS_KEY}: {name!r}"
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(f"{where}: a model's name is its directory's (or hub id's) last "
+                              "part, e.g. gemma-3-270m")  # fmt: skip
+        if not isinstance(selection, dict) or not selection:
+            raise ConfigError(f"{where}: must be a mapping of "
+                              f"{', '.join(admission.SELECTION_FIELDS)}; got {selection!r}")
+        unknown = sorted(set(selection) - set(admission.SELECTION_FIELDS))
+        if unknown:
+            raise ConfigError(f"{where}: {unknown[0]!r} is not a selection field; known: "
+                              f"{', '.join(admission.SELECTION_FIELDS)}")  # fmt: skip
+        try:
+            admission.parse_kv_options({**probe, **selection}, num_prompt_tokens=1 << 20)
+        except options.KvOptionsError as exc:
+            raise ConfigError(f"{where}: with the other defaults, {exc}") from exc
 
 
 def _validate_query_agnostic(selection: Any, probe: dict[str, Any], source: str) -> None:
@@ -164,15 +199,30 @@ def _validate_query_agnostic(selection: Any, probe: dict[str, Any], source: str)
         raise ConfigError(f"{source}: {key}: with the other defaults, {exc}") from exc
 
 
-def load_policy(environ: Mapping[str, str] | None = None) -> Policy:
+def load_policy(environ: Mapping[str, str] | None = None, model: str | None = None) -> Policy:
     """The validated policy (:class:`obcache_vllm.admission.Policy`): defaults of every
-    request field (``None``: no default), its keys."""
+    request field (``None``: no default), its keys.
+
+    ``model``: the served model (a path or hub id). Where the file's ``models`` names it (its
+    last part, :func:`model_name`), that selection replaces the file's, unless the operator
+    set a selection field by variable or flag (a choice for this server, whatever its model).
+    The query-agnostic selection stays the file's: no model has its own evidence for it."""
     environ = os.environ if environ is None else environ
     defaults = load_defaults(environ, keep_policy=True)
     threshold = defaults.pop(MIN_PROMPT_KEY, 0)
     point = defaults.pop(COMPRESS_AT_KEY, options.AUTO)
     agnostic = defaults.pop(QUERY_AGNOSTIC_KEY, None)
+    selection = (defaults.pop(MODELS_KEY, None) or {}).get(model_name(model) if model else None)
+    operator = set(settings.kv_defaults(options.FIELDS, environ)) & set(admission.SELECTION_FIELDS)
+    if selection and not operator:
+        defaults.update(selection)
     return Policy(defaults, threshold, point, agnostic)
+
+
+def model_name(model: str) -> str:
+    """A served model's name in ``models``: its directory's (or hub id's) last part, as the
+    KL calibrations name it (:func:`obcache_vllm.scoring.calibration.model_key`)."""
+    return Path(str(model).rstrip("/")).name
 
 
 def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = False) -> dict:
@@ -180,7 +230,8 @@ def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = 
     import yaml
 
     environ = os.environ if environ is None else environ
-    defaults: dict[str, Any] = {**BUILTIN_DEFAULTS, **{k: v for k, (_, v) in POLICY_KEYS.items()}}
+    defaults: dict[str, Any] = {**BUILTIN_DEFAULTS, **{k: v for k, (_, v) in POLICY_KEYS.items()},
+                                MODELS_KEY: None}
     path = config_path(environ)
     if path is not None:
         from_file = _read_yaml(path)
@@ -210,7 +261,7 @@ def load_defaults(environ: Mapping[str, str] | None = None, keep_policy: bool = 
     defaults.update(from_env)
     validate_defaults(defaults, "kv_* defaults (file + environment)")
     if not keep_policy:
-        for key in POLICY_KEYS:
+        for key in (*POLICY_KEYS, MODELS_KEY):
             defaults.pop(key)
     return defaults
 

@@ -50,6 +50,11 @@ AGNOSTIC_BEGIN = ("# -- chosen for query-agnostic requests by scripts/choose_def
                   "(configs/choose_defaults.yaml): do not edit")  # fmt: skip
 AGNOSTIC_END = "# -- end of the query-agnostic block"
 AGNOSTIC_KEY = "query_agnostic"
+# The block a rule for another model writes (config.MODELS_KEY): one selection per model.
+MODELS_BEGIN = ("# -- chosen per model by scripts/choose_defaults.py "
+                "(configs/choose_defaults-<model>.yaml): do not edit")  # fmt: skip
+MODELS_END = "# -- end of the per-model block"
+MODELS_KEY = "models"
 
 
 def load_rule(path: Path = RULE) -> dict:
@@ -177,13 +182,14 @@ def render(decision: dict, rule: dict, results: dict, fidelity_runs: dict | None
     cells = [tuple(c) for c in decision["cells"]]
     head = " | ".join(f"{t} @ {n}" for t, n in cells)
     lines = [  # no heading: the Choosing page includes this file under its own
-        f"Rule and candidates: `configs/choose_defaults.yaml`; evidence: `{results['command']}` "
-        f"({results['model']}, {results['date']}, {results['machine']}, "
+        f"Rule and candidates: `{rule.get('path', 'configs/choose_defaults.yaml')}`; evidence: "
+        f"`{results['command']}` ({rule.get('model') or results['model']}, {results['date']}, "
+        f"{results['machine']}, "
         f"{results['seconds'] / 60:.0f} min)"
         + "".join(f"; {added_what(a)} added {a['date']}: `{a['command']}` ({a['seconds'] / 60:.0f} "
                   "min)" for a in results.get("added", []))
         + f"; {rule['budget']:g} of each prompt kept, the question in the prompt. Reproduce: "
-        "`make choose-defaults`.",
+        f"`make {rule.get('make', 'choose-defaults')}`.",
         "",
         f"Counted cells (the full cache at least {rule['min_full']}): "
         + (", ".join(f"{t} at {n} tokens" for t, n in cells) or "none") + ".",
@@ -235,7 +241,8 @@ def render(decision: dict, rule: dict, results: dict, fidelity_runs: dict | None
               f"**Winner: `{winner}`** ({decision['why']})." if winner else
               f"**No winner** ({decision['why']}): the current setting stays.", ""]  # fmt: skip
     if winner:
-        lines.append("Shipped as: " + ", ".join(
+        lines.append((f"Shipped for {rule['model']} (`default.yaml`'s `{MODELS_KEY}`) as: "
+                      if model_args(rule)[0] else "Shipped as: ") + ", ".join(
             f"`{k}: {json.dumps(v)}`" for k, v in rule["candidates"][winner].items()) + ".")
     return "\n".join(lines) + "\n"
 
@@ -274,6 +281,45 @@ def write_agnostic(fields: dict, winner: str, kind: str, path: Path = SHIPPED) -
     path.write_text(_replace_block(path.read_text(), AGNOSTIC_BEGIN, AGNOSTIC_END, block, path))
 
 
+def shipped_models(path: Path = SHIPPED) -> dict[str, dict]:
+    """``default.yaml``'s per-model selections (its ``models`` mapping; empty where none)."""
+    import yaml
+
+    return (yaml.safe_load(path.read_text()) or {}).get(MODELS_KEY) or {}
+
+
+def shipped_for_model(model: str, path: Path = SHIPPED) -> str | None:
+    """The winner named for ``model`` in ``default.yaml``'s per-model block, or None."""
+    text = path.read_text()
+    start = text.find(MODELS_BEGIN)
+    if start < 0:
+        return None
+    match = re.search(rf"^# {re.escape(model)}: (\S+) ", text[start:text.find(MODELS_END, start)],
+                      re.M)  # fmt: skip
+    return match.group(1) if match else None
+
+
+def write_model(fields: dict, winner: str, model: str, out: str, path: Path = SHIPPED) -> None:
+    """The winner of a rule for ``model`` into ``default.yaml``'s per-model block, beside the
+    other models' selections (each named by a comment line: winner and report)."""
+    text = path.read_text()
+    start = text.find(MODELS_BEGIN)
+    if start < 0:
+        raise SystemExit(f"{path}: no block between the markers {MODELS_BEGIN!r} and "
+                         f"{MODELS_END!r}")  # fmt: skip
+    block = text[start:text.find(MODELS_END, start)]
+    named = dict(re.findall(r"^# (\S+): (\S+ \(.*\))$", block, re.M))
+    models = {**shipped_models(path),
+              model: {k: fields[k] for k in SELECTION if k in fields}}  # fmt: skip
+    named[model] = f"{winner} ({out}/DECISION.md)"
+    lines = [MODELS_BEGIN, *(f"# {m}: {named[m]}" for m in sorted(models) if m in named)]
+    mapping = ", ".join(f"{json.dumps(m)}: {{" + ", ".join(
+        f"{json.dumps(k)}: {json.dumps(v)}" for k, v in models[m].items()) + "}"
+        for m in sorted(models))  # fmt: skip
+    lines += [f"{MODELS_KEY}: {{{mapping}}}", MODELS_END]
+    path.write_text(_replace_block(text, MODELS_BEGIN, MODELS_END, "\n".join(lines), path))
+
+
 def _named_winner(path: Path, begin: str, end: str) -> str | None:
     """The ``# winner:`` named in the block of ``path`` between ``begin`` and ``end``, or None
     (no block, or one naming none)."""
@@ -306,7 +352,8 @@ def current_setting(rule: dict, shipped: Path = SHIPPED, recorded: dict | None =
     file names none."""
     if recorded and recorded.get("current"):
         return recorded["current"]
-    current = shipped_query_aware(shipped) or rule.get("current")
+    own = shipped_for_model(rule["model"], shipped) if model_args(rule)[0] else None
+    current = own or shipped_query_aware(shipped) or rule.get("current")
     if current is None:
         raise SystemExit(f"{shipped}: no `# winner:` in the chosen block, and the rule names "
                          "no `current:` setting to judge the evidence against")
@@ -338,6 +385,25 @@ def tasks_at(rule: dict, length: int) -> list[str]:
     return list((rule.get("tasks_at") or {}).get(int(length), rule["tasks"]))
 
 
+def model_args(rule: dict) -> tuple[list[str], list[str]]:
+    """The arguments that point the evidence at the rule's ``model`` where it is not the
+    default model: ``(lm_eval_grid's, eval fidelity's)``; both empty for the default model (or a
+    rule naming none). ``max_model_len`` (the rule's) bounds the served context, which an extra
+    model's own config may set far above what the CPU pool holds."""
+    from obcache_vllm import extra_models, model
+
+    name = rule.get("model")
+    if not name or name == model.MODEL_NAME:
+        return [], []
+    if name not in extra_models.MODELS:
+        raise SystemExit(f"rule model {name!r}: not {model.MODEL_NAME} nor one of "
+                         f"{sorted(extra_models.MODELS)}")
+    path = str(extra_models.model_path(extra_models.MODELS[name]))
+    serve = f"--model {path}" + (f" --max-model-len {rule['max_model_len']}"
+                                 if rule.get("max_model_len") else "")  # fmt: skip
+    return ["--tokenizer", path, "--serve-args", serve], ["--model", path]
+
+
 def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str,
                   lengths=None) -> Path:  # fmt: skip
     """lm_eval_grid with every candidate as a named arm, at the rule's lengths (``extra``: a
@@ -358,9 +424,12 @@ def _run_evidence(rule: dict, out: Path, extra: dict, limit, serve_args: str,
                "--max-gen-toks", str(rule["max_gen_toks"]), "--out", _shown(out)]  # fmt: skip
         if lengths or n:
             cmd += ["--add-lengths-to", _shown(out / "lm_eval.json")]
-        if serve_args:
-            cmd += ["--serve-args", serve_args]
-        subprocess.run(cmd, check=True, cwd=ROOT)
+        grid_model, _ = model_args(rule)
+        if serve_args and grid_model:
+            grid_model[-1] += " " + serve_args
+        elif serve_args:
+            grid_model = ["--serve-args", serve_args]
+        subprocess.run(cmd + grid_model, check=True, cwd=ROOT)
     return out / "lm_eval.json"
 
 
@@ -388,7 +457,7 @@ def _run_fidelity(rule: dict, out: Path, length: int) -> Path:
            "--arms", _shown(where / "arms.json"), "--kinds", ",".join(spec["kinds"]),
            "--samples", str(spec["samples"]), "--prompt-tokens", str(length),
            "--tokens", str(spec["tokens"]), "--budgets", f"{rule['budget']:g}",
-           "--settings", "aware", "--out", _shown(where)]  # fmt: skip
+           "--settings", "aware", "--out", _shown(where), *model_args(rule)[1]]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT)
     return where / "fidelity.json"
 
@@ -460,7 +529,10 @@ def main(argv=None) -> int:
                    help="run the query-aware and fidelity evidence at only these of the rule's "
                    "lengths, added to the lengths recorded in OUT (a length the rule gained)")
     args = p.parse_args(argv)
-    rule = load_rule(args.rule)
+    rule = {**load_rule(args.rule), "path": _shown(args.rule)}
+    other_model = bool(model_args(rule)[0])
+    if other_model and rule.get("traffic"):
+        raise SystemExit(f"{args.rule}: traffic kinds are measured on the default model only")
     kinds = list(rule.get("traffic") or {})
     evidences = ["query_aware", *(["fidelity"] if rule.get("fidelity") else []), *kinds]
     only = set(args.only.split(",")) if args.only else set(evidences)
@@ -516,7 +588,12 @@ def main(argv=None) -> int:
     (out / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")
     (out / "DECISION.md").write_text(report)
     print(report)
-    if args.write and decision["winner"]:
+    if args.write and decision["winner"] and other_model:
+        write_model(rule["candidates"][decision["winner"]], decision["winner"], rule["model"],
+                    _shown(out), args.shipped)  # fmt: skip
+        print(f"wrote {decision['winner']} into {args.shipped}'s {MODELS_KEY} for "
+              f"{rule['model']}")
+    elif args.write and decision["winner"]:
         write_shipped(rule["candidates"][decision["winner"]], decision["winner"], args.shipped)
         print(f"wrote {decision['winner']} into {args.shipped}")
     won = decision["traffic"].get(ships, {}).get("winner") if ships else None

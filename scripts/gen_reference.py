@@ -146,7 +146,8 @@ def render_rest() -> str:
         "`obcache_vllm/vllm_ext/frontend/server.py`): keys `scorers`, `pipelines`, "
         "`request_fields`, `defaults`, `policy` (`default_budget`, `when`, "
         f"`{config.MIN_PROMPT_KEY}`, `{config.COMPRESS_AT_KEY}`, `{config.QUERY_AGNOSTIC_KEY}`, "
-        "`opt_out`), `usage_field`.\n"
+        "`model`: the served model's name, whose own selection `defaults` holds where "
+        "`default.yaml`'s `models` has one, `opt_out`), `usage_field`.\n"
     )
     return "".join(out)
 

@@ -176,7 +176,9 @@ REGISTRY: tuple[Seam, ...] = (
       install=f"{_SERVER}:_wrap_completion_response", why="usage.obcache on a completion"),
     S("vllm.entrypoints.launchers.app", "register_api_routers",
       ("args", "app", "supported_tasks", "model_config"), how="wrap", process="server",
-      install=f"{_SERVER}:_wrap_register_api_routers", why="GET /v1/obcache/config"),
+      install=f"{_SERVER}:_wrap_register_api_routers",
+      why="GET /v1/obcache/config; the served model (args.model), whose own selection "
+      "default.yaml may hold"),
     S("vllm.v1.engine.async_llm", "load_stat_logger_plugin_factories", (), how="wrap",
       process="server", install="obcache_vllm.vllm_ext.frontend.stats:stat_logger_factories",
       why="the obcache Prometheus logger, once, where its entry point is not installed"),

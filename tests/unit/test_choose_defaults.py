@@ -399,3 +399,70 @@ def test_a_length_may_run_its_own_tasks_added_to_the_others(tmp_path, monkeypatc
     with pytest.raises(FileNotFoundError):  # nothing ran, so nothing recorded to read
         choose_defaults.main([*base, "--only", "query_aware", "--lengths", "4096"])
     assert ran == [{"--tasks": "niah", "--lengths": "4096", "add": True}]
+
+
+def test_a_rule_for_another_model_points_both_evidences_at_it_and_writes_nothing(
+        tmp_path, monkeypatch):  # fmt: skip
+    """A rule naming another model (configs/choose_defaults-gemma-3-270m.yaml) serves that model
+    for lm_eval_grid (its tokenizer, ``--model`` and the rule's ``max_model_len``, with
+    ``--serve-args`` appended) and runs step 3b's fidelity on it; it may not have traffic
+    kinds (measured on the default model only); the default model's rule adds nothing."""
+    from obcache_vllm import extra_models
+
+    gemma = choose_defaults.load_rule(ROOT / "configs" / "choose_defaults-gemma-3-270m.yaml")
+    path = str(extra_models.model_path(extra_models.MODELS[gemma["model"]]))
+    assert choose_defaults.model_args(choose_defaults.load_rule()) == ([], [])
+    assert gemma["candidates"] == choose_defaults.load_rule()["candidates"]
+    rule = {**gemma, "lengths": [1024], "tasks_at": {}, "fidelity": {**gemma["fidelity"],
+                                                                     "lengths": [1024]}}
+    rule_path = tmp_path / "rule.yaml"
+    rule_path.write_text(yaml.safe_dump(rule))
+    base = ["--rule", str(rule_path), "--out", str(tmp_path),
+            "--shipped", str(_shipped(tmp_path, "snapkv-w32-dropkv"))]  # fmt: skip
+    with_traffic = tmp_path / "traffic.yaml"
+    with_traffic.write_text(yaml.safe_dump({**rule, "traffic": {"agnostic": {"fields": {}}}}))
+    with pytest.raises(SystemExit, match="traffic kinds are measured on the default model only"):
+        choose_defaults.main([*base[:1], str(with_traffic), *base[2:]])
+    ran = []
+
+    def run(cmd, **_):
+        ran.append([str(c) for c in cmd])
+        raise SystemExit("stop here")
+
+    monkeypatch.setattr(choose_defaults.subprocess, "run", run)
+    with pytest.raises(SystemExit, match="stop here"):
+        choose_defaults.main([*base, "--only", "query_aware", "--serve-args", "--seed 1"])
+    _lm_eval_json(tmp_path / "lm_eval.json", full=(1, 1, 1))  # step 3b runs after it is read
+    with pytest.raises(SystemExit, match="stop here"):
+        choose_defaults.main([*base, "--only", "fidelity"])
+    grid, fidelity = ran
+    assert grid[grid.index("--tokenizer") + 1] == path
+    assert grid[grid.index("--serve-args") + 1] == f"--model {path} --max-model-len 4096 --seed 1"
+    assert fidelity[fidelity.index("--model") + 1] == path
+
+
+def test_a_rule_for_another_model_is_judged_against_and_writes_that_models_selection(tmp_path):
+    """Its current setting is what the server ships for that model (its entry in the per-model
+    block, else the shipped selection); ``--write`` puts its winner in that entry, leaving the
+    shipped selection as it is, and the report says where it ships."""
+    rule = {**RULE, "model": "gemma-3-270m", "budget": 0.1, "lengths": [1024, 2048],
+            "tasks": ["niah", "hard"], "limit": 40, "max_gen_toks": 48}
+    rule.pop("current")
+    rule_path = tmp_path / "rule.yaml"
+    rule_path.write_text(yaml.safe_dump(rule))
+    _lm_eval_json(tmp_path / "out" / "lm_eval.json", full=(1, 1, 1), cur=(0.2, 0.2, 0.2),
+                  good=(0.9, 0.9, 0.9), rival=(0.3, 0.3, 0.3), rand=(0, 0, 0))
+    shipped = _shipped(tmp_path, "cur")
+    shipped.write_text(shipped.read_text() + "\n" + choose_defaults.MODELS_BEGIN +
+                       "\nmodels: {}\n" + choose_defaults.MODELS_END + "\n")
+    query_aware = choose_defaults.shipped_query_aware(shipped)
+    choose_defaults.main(["--rule", str(rule_path), "--report-only",
+                          str(tmp_path / "out" / "lm_eval.json"), "--shipped", str(shipped),
+                          "--write"])  # fmt: skip
+    decision = json.loads((tmp_path / "out" / "decision.json").read_text())
+    assert decision["current"] == "cur" and decision["winner"] == "good"
+    assert choose_defaults.shipped_models(shipped) == {"gemma-3-270m": {"kv_pipeline": "snapkv"}}
+    assert choose_defaults.shipped_for_model("gemma-3-270m", shipped) == "good"
+    assert choose_defaults.shipped_query_aware(shipped) == query_aware  # untouched
+    assert "Shipped for gemma-3-270m" in (tmp_path / "out" / "DECISION.md").read_text()
+    assert choose_defaults.current_setting(rule, shipped) == "good"  # the next run's current

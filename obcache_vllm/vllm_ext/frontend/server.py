@@ -64,14 +64,26 @@ SUMMED_FIELDS = (
 )
 
 _policy: admission.Policy | None = None
+_served_model: str | None = None
 
 
 def server_policy() -> admission.Policy:
-    """The validated server policy: kv_* defaults and their threshold (loaded once)."""
+    """The validated server policy: kv_* defaults and their threshold (loaded once, and again
+    once the served model is known: :func:`set_served_model`)."""
     global _policy
     if _policy is None:
-        _policy = config.load_policy()
+        _policy = config.load_policy(model=_served_model)
     return _policy
+
+
+def set_served_model(model: str | None) -> None:
+    """The model this server serves (its path or hub id), known when vLLM registers the API
+    routes, before the first request: the policy is loaded again with that model's own
+    selection where the file has one (``models``, :func:`obcache_vllm.config.load_policy`).
+    The plugin validated the file at install, before vLLM had parsed its arguments."""
+    global _policy, _served_model
+    _served_model = model
+    _policy = None
 
 
 def server_defaults() -> dict[str, Any]:
@@ -360,6 +372,8 @@ def config_document() -> dict[str, Any]:
             # the selection a request with a kv_compress_at position and no selection field
             # gets (admission.merge_fields)
             config.QUERY_AGNOSTIC_KEY: server_policy().query_agnostic,
+            # the served model, whose own selection (the file's `models`) the defaults hold
+            "model": config.model_name(_served_model) if _served_model else None,
             "opt_out": 'a request with "kv_budget": null is served as stock vLLM',
         },
         "usage_field": f"usage.{USAGE_KEY}",
@@ -375,6 +389,7 @@ async def obcache_config_endpoint():
 def _wrap_register_api_routers(original):
     @functools.wraps(original)
     def register_api_routers(args, app, *rest, **kwargs):
+        set_served_model(getattr(args, "model", None))
         result = original(args, app, *rest, **kwargs)
         app.add_api_route(CONFIG_ROUTE, obcache_config_endpoint, methods=["GET"])
         return result
