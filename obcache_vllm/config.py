@@ -149,17 +149,24 @@ def _validate_models(models: Any, probe: dict[str, Any], source: str) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ConfigError(f"{where}: a model's name is its directory's (or hub id's) last "
                               "part, e.g. gemma-3-270m")  # fmt: skip
-        if not isinstance(selection, dict) or not selection:
-            raise ConfigError(f"{where}: must be a mapping of "
-                              f"{', '.join(admission.SELECTION_FIELDS)}; got {selection!r}")
-        unknown = sorted(set(selection) - set(admission.SELECTION_FIELDS))
-        if unknown:
-            raise ConfigError(f"{where}: {unknown[0]!r} is not a selection field; known: "
-                              f"{', '.join(admission.SELECTION_FIELDS)}")  # fmt: skip
+        _check_selection_fields(selection, where, "")
         try:
             admission.parse_kv_options({**probe, **selection}, num_prompt_tokens=1 << 20)
         except options.KvOptionsError as exc:
             raise ConfigError(f"{where}: with the other defaults, {exc}") from exc
+
+
+def _check_selection_fields(selection: Any, where: str, alternatives: str) -> None:
+    """A selection is a non-empty mapping of selection fields (``alternatives``: what else
+    the key may be, for the message)."""
+    if not isinstance(selection, dict) or not selection:
+        raise ConfigError(f"{where} must be a mapping of "
+                          f"{', '.join(admission.SELECTION_FIELDS)}{alternatives}; "
+                          f"got {selection!r}")  # fmt: skip
+    unknown = sorted(set(selection) - set(admission.SELECTION_FIELDS))
+    if unknown:
+        raise ConfigError(f"{where}: {unknown[0]!r} is not a selection field; known: "
+                          f"{', '.join(admission.SELECTION_FIELDS)}")  # fmt: skip
 
 
 def _validate_query_agnostic(selection: Any, probe: dict[str, Any], source: str) -> None:
@@ -170,13 +177,7 @@ def _validate_query_agnostic(selection: Any, probe: dict[str, Any], source: str)
     if selection is None:
         return
     key = QUERY_AGNOSTIC_KEY
-    if not isinstance(selection, dict) or not selection:
-        raise ConfigError(f"{source}: {key} must be a mapping of "
-                          f"{', '.join(admission.SELECTION_FIELDS)}, or null; got {selection!r}")
-    unknown = sorted(set(selection) - set(admission.SELECTION_FIELDS))
-    if unknown:
-        raise ConfigError(f"{source}: {key}: {unknown[0]!r} is not a selection field; known: "
-                          f"{', '.join(admission.SELECTION_FIELDS)}")  # fmt: skip
+    _check_selection_fields(selection, f"{source}: {key}", ", or null")
     point = {"kv_compress_at": 1 << 19}
     # The selection's own values and combinations, with a stand-in budget and without the
     # options that refuse any compress point whatever the selection (pressure, sessions).

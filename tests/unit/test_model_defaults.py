@@ -66,8 +66,8 @@ def test_a_selection_field_set_by_variable_or_flag_applies_to_every_model(env):
 
 @pytest.mark.parametrize("text, needle", [
     pytest.param("models: [toy]\n", "models must be a mapping", id="not-a-mapping"),
-    pytest.param("models: {toy: tova}\n", "'toy': must be a mapping", id="not-a-selection"),
-    pytest.param("models: {toy: {}}\n", "'toy': must be a mapping", id="empty"),
+    pytest.param("models: {toy: tova}\n", "'toy' must be a mapping", id="not-a-selection"),
+    pytest.param("models: {toy: {}}\n", "'toy' must be a mapping", id="empty"),
     pytest.param("models: {toy: {kv_budget: 3}}\n", "'toy': 'kv_budget' is not a selection",
                  id="not-a-selection-field"),
     pytest.param("models: {toy: {kv_pipeline: magic}}\n", "'toy': with the other defaults",
