@@ -115,11 +115,12 @@ choose-defaults: setup
 	$(if $(WRITE),$(PY) deploy/render.py,)  # deploy/ ships a copy of default.yaml
 
 ## The same rule on the second model, Gemma 3 270M (configs/choose_defaults-gemma-3-270m.yaml:
-## what differs and why); reports in results/choose-defaults-gemma-3-270m/DECISION.md, writes
-## nothing (about 70 minutes on one core)
+## what differs and why); reports in results/choose-defaults-gemma-3-270m/DECISION.md; WRITE=1
+## writes the winner into default.yaml's models (about 70 minutes on one core)
 choose-defaults-gemma3: setup
 	$(PY) scripts/choose_defaults.py --rule configs/choose_defaults-gemma-3-270m.yaml \
-	  --out results/choose-defaults-gemma-3-270m
+	  --out results/choose-defaults-gemma-3-270m $(if $(WRITE),--write,)
+	$(if $(WRITE),$(PY) deploy/render.py,)  # deploy/ ships a copy of default.yaml
 
 ## The shipped defaults one length past the rule's: niah_single_1 at 4,096 tokens, 10 % kept, 10
 ## documents, the shipped selection beside the rival, the floor, snapkv+attn and the

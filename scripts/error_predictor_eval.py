@@ -291,9 +291,10 @@ def kl_map(train: list[dict], pred, targets=()) -> dict:
     by_prompt = _by(train, lambda p: p["name"]) if targets else {}
     for _ in range(400):  # 20 in log units: past any KL a kept count can reach
         if all(covered(by_prompt, mapping, pred, tau) >= COVER for tau in targets):
-            break
+            return mapping
         mapping["margin"] += 0.05
-    return mapping
+    raise ValueError(f"no margin up to +20 (log) covers {COVER:.0%} of the fitting prompts at "
+                     f"every target {list(targets)}")
 
 
 def covered(by_prompt: dict, mapping: dict, pred, tau: float) -> float:

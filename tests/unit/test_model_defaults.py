@@ -130,3 +130,29 @@ def test_a_winner_is_written_for_its_model_beside_the_others(tmp_path):
             choose_defaults.shipped_for_model(model)
     got = config.load_policy({config.CONFIG_ENV: str(shipped)}, model="/m/alpha")
     assert got.defaults["kv_pipeline"] == "tova"
+
+
+def test_the_server_learns_its_model_when_vllm_registers_its_routes(env, monkeypatch):
+    """The wrapped ``register_api_routers`` (the pinned seam) tells the policy the served model
+    before any request: the policy loaded at install (no model yet) is replaced by the model's,
+    and ``GET /v1/obcache/config`` names it."""
+    from types import SimpleNamespace
+
+    from obcache_vllm.vllm_ext.frontend import server
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(server, "_served_model", None)
+    server.reset_defaults()
+    try:
+        assert server.server_policy().defaults["kv_pipeline"] == "snapkv"  # as at install
+        routes = []
+        app = SimpleNamespace(add_api_route=lambda *a, **k: routes.append(a[0]))
+        wrapped = server._wrap_register_api_routers(lambda args, app, *rest: None)
+        wrapped(SimpleNamespace(model="/models/toy-1b/"), app, ["generate"], None)
+        assert _selection(server.server_policy()) == TOVA
+        assert server.config_document()["policy"]["model"] == "toy-1b"
+        assert routes == [server.CONFIG_ROUTE]
+    finally:
+        server.set_served_model(None)
+        server.reset_defaults()
