@@ -290,25 +290,15 @@ def shipped_models(path: Path = SHIPPED) -> dict[str, dict]:
 
 def shipped_for_model(model: str, path: Path = SHIPPED) -> str | None:
     """The winner named for ``model`` in ``default.yaml``'s per-model block, or None."""
-    text = path.read_text()
-    start = text.find(MODELS_BEGIN)
-    if start < 0:
-        return None
-    match = re.search(rf"^# {re.escape(model)}: (\S+) ", text[start:text.find(MODELS_END, start)],
-                      re.M)  # fmt: skip
-    return match.group(1) if match else None
+    return _named_winner(path, MODELS_BEGIN, MODELS_END, re.escape(model))
 
 
 def write_model(fields: dict, winner: str, model: str, out: str, path: Path = SHIPPED) -> None:
     """The winner of a rule for ``model`` into ``default.yaml``'s per-model block, beside the
     other models' selections (each named by a comment line: winner and report)."""
     text = path.read_text()
-    start = text.find(MODELS_BEGIN)
-    if start < 0:
-        raise SystemExit(f"{path}: no block between the markers {MODELS_BEGIN!r} and "
-                         f"{MODELS_END!r}")  # fmt: skip
-    block = text[start:text.find(MODELS_END, start)]
-    named = dict(re.findall(r"^# (\S+): (\S+ \(.*\))$", block, re.M))
+    named = dict(re.findall(r"^# (\S+): (\S+ \(.*\))$", _block(text, MODELS_BEGIN, MODELS_END),
+                            re.M))  # fmt: skip
     models = {**shipped_models(path),
               model: {k: fields[k] for k in SELECTION if k in fields}}  # fmt: skip
     named[model] = f"{winner} ({out}/DECISION.md)"
@@ -320,14 +310,17 @@ def write_model(fields: dict, winner: str, model: str, out: str, path: Path = SH
     path.write_text(_replace_block(text, MODELS_BEGIN, MODELS_END, "\n".join(lines), path))
 
 
-def _named_winner(path: Path, begin: str, end: str) -> str | None:
-    """The ``# winner:`` named in the block of ``path`` between ``begin`` and ``end``, or None
-    (no block, or one naming none)."""
-    text = path.read_text()
+def _block(text: str, begin: str, end: str) -> str:
+    """The text between the markers ``begin`` and ``end`` ("" where there is no block)."""
     start = text.find(begin)
-    if start < 0:
-        return None
-    match = re.search(r"^# winner: (\S+) ", text[start:text.find(end, start)], re.M)
+    return "" if start < 0 else text[start:text.find(end, start)]
+
+
+def _named_winner(path: Path, begin: str, end: str, label: str = "winner") -> str | None:
+    """The setting a ``# LABEL: NAME (...)`` line names in the block of ``path`` between
+    ``begin`` and ``end`` (``label``: a regex; ``winner``, or a model's name in the per-model
+    block), or None (no block, or one naming none)."""
+    match = re.search(rf"^# {label}: (\S+) ", _block(path.read_text(), begin, end), re.M)
     return match.group(1) if match else None
 
 
